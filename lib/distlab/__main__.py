@@ -1,0 +1,5 @@
+import sys
+
+from distlab.cli import main
+
+sys.exit(main())

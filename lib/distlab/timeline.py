@@ -1,0 +1,98 @@
+"""Timelines: labelled spans recorded in each rank, merged in the notebook, drawn as a Gantt chart.
+
+Inside a rank, ``with distlab.span("backward"):`` marks compute; every
+collective is recorded automatically by :mod:`distlab.comm` as a "comm" span
+(async ops last from issue to completion, so overlap with compute is visible).
+All ranks on one machine read the same monotonic clock, so spans line up.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+KIND_COLORS = {"compute": "#4C72B0", "comm": "#DD8452", "idle": "#BBBBBB", "other": "#55A868"}
+
+
+@dataclass(frozen=True)
+class Span:
+    rank: int
+    label: str
+    kind: str  # compute | comm | idle | other
+    start: float  # seconds since the job started
+    end: float
+
+    @property
+    def duration(self) -> float:
+        return self.end - self.start
+
+
+_spans: list[tuple[str, str, float, float]] = []
+_clock_origin = 0.0
+
+
+def reset(clock_origin: float) -> None:
+    global _clock_origin
+    _spans.clear()
+    _clock_origin = clock_origin
+
+
+@contextmanager
+def span(label: str, kind: str = "compute"):
+    """Record the enclosed block as one span of this rank's timeline."""
+    if kind not in KIND_COLORS:
+        raise ValueError(f"kind must be one of {sorted(KIND_COLORS)}, not {kind!r}")
+    start = time.perf_counter() - _clock_origin
+    try:
+        yield
+    finally:
+        _spans.append((label, kind, start, time.perf_counter() - _clock_origin))
+
+
+def collect(rank: int, comm_events) -> list[Span]:
+    """This rank's spans for the job: the user's plus one per communication op."""
+    spans = [Span(rank, label, kind, start, end) for label, kind, start, end in _spans]
+    spans += [Span(rank, op, "comm", start, end) for op, _, start, end in comm_events if end == end]
+    return sorted(spans, key=lambda s: (s.start, s.end))
+
+
+def idle_fraction(spans: list[Span], rank: int) -> float:
+    """Share of the rank's wall time (first start to last end) covered by no span at all."""
+    own = sorted((s.start, s.end) for s in spans if s.rank == rank)
+    if not own:
+        return 0.0
+    busy, cursor = 0.0, own[0][0]
+    for start, end in own:
+        start = max(start, cursor)
+        if end > start:
+            busy += end - start
+            cursor = end
+    total = max(end for _, end in own) - own[0][0]
+    return 1.0 - busy / total if total > 0 else 0.0
+
+
+def plot(spans: list[Span], ax=None, title: str | None = None, kinds: tuple[str, ...] | None = None):
+    """Gantt chart: one row per rank, one bar per span, coloured by kind."""
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    if ax is None:
+        ranks = sorted({s.rank for s in spans}) or [0]
+        _, ax = plt.subplots(figsize=(10, 0.5 + 0.6 * len(ranks)))
+    for s in spans:
+        if kinds is not None and s.kind not in kinds:
+            continue
+        height = 0.35 if s.kind == "comm" else 0.7
+        offset = 0.2 if s.kind == "comm" else 0.0
+        ax.barh(s.rank + offset, s.duration * 1e3, left=s.start * 1e3, height=height,
+                color=KIND_COLORS[s.kind], edgecolor="black", linewidth=0.3)
+    ax.set_xlabel("time since job start (ms)")
+    ax.set_ylabel("rank")
+    ax.set_yticks(sorted({s.rank for s in spans}))
+    ax.invert_yaxis()
+    shown = sorted({s.kind for s in spans if kinds is None or s.kind in kinds})
+    ax.legend(handles=[Patch(color=KIND_COLORS[k], label=k) for k in shown], loc="upper right", fontsize=8)
+    if title:
+        ax.set_title(title)
+    return ax

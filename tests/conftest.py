@@ -1,0 +1,25 @@
+"""Shared test set-up: offline tokenizer files, and a guard that no rank process outlives a test."""
+
+import os
+import time
+from pathlib import Path
+
+import pytest
+from processes import rank_processes
+
+REPO = Path(__file__).resolve().parents[1]
+SHARED = REPO.parent / "shared"
+
+if "TIKTOKEN_CACHE_DIR" not in os.environ and (SHARED / "tiktoken_cache").is_dir():
+    os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED / "tiktoken_cache")
+
+
+@pytest.fixture
+def no_leftover_ranks():
+    """Fail the test if any rank process is still alive shortly after it ends."""
+    yield
+    deadline = time.monotonic() + 5
+    while rank_processes() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    left = rank_processes()
+    assert not left, f"rank processes left behind: {[(p.pid, p.name()) for p in left]}"
