@@ -33,6 +33,9 @@ class CheckResult:
     max_points: int
     detail: str
 
+    def _ipython_display_(self) -> None:
+        """``check`` already printed the line; a bare call at the end of a cell shows nothing more."""
+
     def line(self) -> str:
         mark = {"passed": "✓", "failed": "✗", "not attempted": "·"}[self.status]
         head = f"{mark} Exercise {self.id} {self.title}: {self.points}/{self.max_points} points"

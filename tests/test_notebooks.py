@@ -1,0 +1,158 @@
+"""Solutions → labs, the check framework, and grading notebooks end to end."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+import distlab.grading as grading
+from distlab.grading.registry import Exercise, all_exercises
+from distlab.notebooks import (NotebookError, build_labs, exercise_ids, grade_notebook, lab_number, make_lab,
+                               strip_solutions)
+
+REPO = Path(__file__).resolve().parents[1]
+SOLUTIONS = sorted((REPO / "solutions").glob("[0-9][0-9]_*.ipynb"))
+
+
+def test_solution_blocks_become_stubs_at_their_indentation():
+    source = (
+        "def ring(x):\n"
+        "    y = x + 1\n"
+        "    # BEGIN SOLUTION 2.1\n"
+        "    for i in range(3):\n"
+        "        y = y * 2\n"
+        "    # END SOLUTION\n"
+        "    return y\n"
+        "# BEGIN SOLUTION 2.2\n"
+        "z = 5\n"
+        "# END SOLUTION\n"
+    )
+    assert strip_solutions(source) == (
+        "def ring(x):\n"
+        "    y = x + 1\n"
+        '    raise NotImplementedError("Exercise 2.1: replace this line with your solution")\n'
+        "    return y\n"
+        'raise NotImplementedError("Exercise 2.2: replace this line with your solution")\n'
+    )
+
+
+def test_unbalanced_markers_are_an_error_not_a_leak():
+    with pytest.raises(NotebookError, match="unmatched '# BEGIN SOLUTION' marker at line 2"):
+        strip_solutions("x = 1\n# BEGIN SOLUTION 1.1\nsecret = 42\n", "nb")
+    with pytest.raises(NotebookError, match="END SOLUTION"):
+        strip_solutions("secret = 42\n# END SOLUTION\n", "nb")
+
+
+def test_make_lab_clears_outputs_and_keeps_everything_else():
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_markdown_cell("# Title"),
+                nbformat.v4.new_code_cell("# BEGIN SOLUTION 4.1\nanswer = 1\n# END SOLUTION\nprint(answer)",
+                                          execution_count=3, outputs=[nbformat.v4.new_output("stream", text="1\n")])]
+    lab = make_lab(nb)
+    assert lab.cells[0].source == "# Title"
+    assert lab.cells[1].outputs == [] and lab.cells[1].execution_count is None
+    assert "answer = 1" not in lab.cells[1].source and nb.cells[1].outputs  # the solution is untouched
+    assert exercise_ids(nb) == ["4.1"] and exercise_ids(lab) == []
+
+
+def test_build_labs_writes_then_reports_in_sync(tmp_path):
+    solutions, labs = tmp_path / "solutions", tmp_path / "labs"
+    solutions.mkdir()
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("# BEGIN SOLUTION 7.1\nx = 1\n# END SOLUTION")]
+    nbformat.write(nb, solutions / "07_demo.ipynb")
+    (labs.mkdir())
+    (labs / "08_orphan.ipynb").write_text("{}")
+    assert {p.name for p in build_labs(solutions, labs)} == {"07_demo.ipynb", "08_orphan.ipynb"}
+    assert build_labs(solutions, labs, check_only=True) == []
+    assert not (labs / "08_orphan.ipynb").exists()
+    nb.cells[0].source += "\ny = 2"
+    nbformat.write(nb, solutions / "07_demo.ipynb")
+    assert [p.name for p in build_labs(solutions, labs, check_only=True)] == ["07_demo.ipynb"]
+
+
+def test_committed_labs_are_in_sync_with_solutions():
+    stale = build_labs(REPO / "solutions", REPO / "labs", check_only=True)
+    assert stale == [], f"run `make labs`: out of date: {stale}"
+
+
+def test_check_prints_one_line_per_outcome(monkeypatch, capsys, tmp_path):
+    def checker(fn):
+        value = fn(3)
+        if value != 9:
+            raise grading.CheckFailed(f"square(3) returned {value}, expected 9")
+        return "3 hidden cases"
+
+    monkeypatch.setattr(grading, "find_exercise", lambda i: Exercise(i, "square", 2, checker))
+    report = tmp_path / "report.jsonl"
+    monkeypatch.setenv(grading.REPORT_ENV, str(report))
+
+    def stub(x):
+        raise NotImplementedError("Exercise 9.1: replace this line with your solution")
+
+    results = [grading.check("9.1", f) for f in (lambda x: x * x, lambda x: x + x, stub, lambda x: 1 / 0)]
+    lines = capsys.readouterr().out.splitlines()
+    assert lines == [
+        "✓ Exercise 9.1 square: 2/2 points (3 hidden cases)",
+        "✗ Exercise 9.1 square: 0/2 points (square(3) returned 6, expected 9)",
+        "· Exercise 9.1 square: 0/2 points (not attempted)",
+        "✗ Exercise 9.1 square: 0/2 points (raised ZeroDivisionError: division by zero)",
+    ]
+    assert [r.status for r in results] == ["passed", "failed", "not attempted", "failed"]
+    assert [json.loads(line)["points"] for line in report.read_text().splitlines()] == [2, 0, 0, 0]
+
+
+def test_every_exercise_has_a_solution_block_and_a_passing_stored_check():
+    """nbval re-executes these notebooks and compares outputs, so the ✓ lines below are re-proved in CI."""
+    exercises = all_exercises()
+    assert exercises, "no exercises registered"
+    for path in SOLUTIONS:
+        nb = nbformat.read(path, as_version=4)
+        number = lab_number(path)
+        expected = sorted(i for i in exercises if int(i.split(".")[0]) == number)
+        assert sorted(exercise_ids(nb)) == expected, path.name
+        outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
+        for exercise_id in expected:
+            e = exercises[exercise_id]
+            assert f"✓ Exercise {e.id} {e.title}: {e.points}/{e.points} points" in outputs, (path.name, e.id)
+        assert "✗ Exercise" not in outputs and "· Exercise" not in outputs
+
+
+def _grade_cli(*args):
+    return subprocess.run([sys.executable, "-m", "distlab", "grade", *args], capture_output=True, text=True,
+                          cwd=REPO, timeout=900)
+
+
+@pytest.mark.timeout(900)
+def test_generated_labs_grade_zero_and_run_to_the_end(tmp_path):
+    labs = [str(REPO / "labs" / p.name) for p in SOLUTIONS]
+    report = tmp_path / "labs.json"
+    result = _grade_cli(*labs, "--json", str(report), "--threshold", "0.5")
+    assert result.returncode == 1, result.stdout + result.stderr  # threshold not met
+    data = json.loads(report.read_text())
+    assert data["points"] == 0 and data["max_points"] == sum(e.points for e in all_exercises().values())
+    for notebook in data["notebooks"]:
+        assert notebook["error"] is None, notebook  # ran to the end: no dead kernel, no cell timeout
+        assert notebook["exercises"] and {e["status"] for e in notebook["exercises"]} == {"not attempted"}
+    assert "threshold 50%: not met" in result.stdout
+
+
+@pytest.mark.timeout(600)
+def test_a_solution_notebook_grades_full_marks_through_the_cli(tmp_path):
+    smallest = min(SOLUTIONS, key=lambda p: p.stat().st_size)
+    result = _grade_cli(str(smallest))
+    assert result.returncode == 0, result.stdout + result.stderr
+    assert "threshold 100%: met" in result.stdout and "✗" not in result.stdout
+
+
+def test_a_notebook_with_a_deleted_check_scores_that_exercise_as_not_run(tmp_path):
+    solution = next(p for p in SOLUTIONS if exercise_ids(nbformat.read(p, as_version=4)))
+    nb = make_lab(nbformat.read(solution, as_version=4))
+    nb.cells = [c for c in nb.cells if "distlab.check(" not in c.source]
+    path = tmp_path / solution.name
+    nbformat.write(nb, path)
+    grade = grade_notebook(path, cell_timeout=300)
+    assert grade.exercises and {e["status"] for e in grade.exercises} == {"not run"}
