@@ -213,10 +213,12 @@ def test_timeline_records_user_spans_and_async_collectives():
         assert 0 <= comm_span.start <= comm_span.end
 
 
-def test_interrupting_a_launch_stops_every_rank():
-    script = textwrap.dedent("""
-        import time, distlab
+@pytest.mark.parametrize("when", ["starting", "running"])
+def test_interrupting_a_launch_stops_every_rank(tmp_path, when):
+    script = textwrap.dedent(f"""
+        import os, time, distlab
         def work():
+            open(os.path.join({str(tmp_path)!r}, f"rank{{os.getpid()}}"), "w").close()
             time.sleep(60)
         print("launching", flush=True)
         try:
@@ -226,10 +228,14 @@ def test_interrupting_a_launch_stops_every_rank():
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "launching"
-    time.sleep(2.5)  # ranks start and go to sleep
+    deadline = time.monotonic() + 30
+    while when == "running" and len(list(tmp_path.glob("rank*"))) < 3 and time.monotonic() < deadline:
+        time.sleep(0.05)
     proc.send_signal(signal.SIGINT)
     out, err = proc.communicate(timeout=20)
     assert "LaunchInterrupted launch interrupted: all 3 ranks were stopped" in out, err
+    pids = [int(p.name[4:]) for p in tmp_path.glob("rank*")]
+    assert not [pid for pid in pids if psutil.pid_exists(pid) and alive(psutil.Process(pid))]
 
 
 def test_killing_the_notebook_process_leaves_no_ranks(tmp_path):

@@ -34,8 +34,10 @@ WIRE_BYTES: dict[str, Callable[[int, int], float]] = {
     "broadcast": _RING,
     "all_gather": _RING,  # M = the gathered output
     "all_gather_into_tensor": _RING,
+    "all_gather_single": _RING,  # torch>=2.13 name of all_gather_into_tensor
     "reduce_scatter": _RING,  # M = the full input
     "reduce_scatter_tensor": _RING,
+    "reduce_scatter_single": _RING,  # torch>=2.13 name of reduce_scatter_tensor
     "all_to_all": _RING,  # every chunk but our own leaves this rank
     "all_to_all_single": _RING,
     "gather": lambda size, n: size / n,  # each non-root sends its piece; averaged
@@ -59,11 +61,11 @@ def _nbytes(obj) -> int:
 def _message_bytes(op: str, args: tuple, kwargs: dict, world: int) -> int:
     """The op's message size M in bytes, the quantity cost models are written in."""
     first = args[0] if args else next(iter(kwargs.values()), None)
-    if op in ("all_gather", "all_gather_into_tensor"):
+    if op in ("all_gather", "all_gather_into_tensor", "all_gather_single"):
         return _nbytes(first)  # output: list of N tensors or one N-times tensor
     if op == "reduce_scatter":
         return _nbytes(args[1] if len(args) > 1 else kwargs.get("input_list"))
-    if op == "reduce_scatter_tensor":
+    if op in ("reduce_scatter_tensor", "reduce_scatter_single"):
         return _nbytes(args[1] if len(args) > 1 else kwargs.get("input"))
     if op in ("all_to_all", "all_to_all_single"):
         return _nbytes(args[1] if len(args) > 1 else kwargs.get("input_tensor_list", kwargs.get("input")))
@@ -197,8 +199,8 @@ def install() -> None:
     from torch.distributed import distributed_c10d
 
     for op in WIRE_BYTES:
-        real = getattr(distributed_c10d, op)
-        if hasattr(real, "__distlab_real__"):
+        real = getattr(distributed_c10d, op, None)
+        if real is None or hasattr(real, "__distlab_real__"):  # absent in this torch version, or done
             continue
         counted = _wrap(op, real)
         setattr(distributed_c10d, op, counted)

@@ -91,11 +91,11 @@ class Run(list):
 
     def comm_table(self) -> str:
         """Calls, payload and bytes sent per rank and op, as a fixed-width table."""
-        rows = [f"{'rank':>4}  {'op':<24}{'calls':>6}{'payload MiB':>13}{'sent MiB':>11}"]
+        rows = [f"{'rank':>4}  {'op':<24}{'calls':>6}{'payload bytes':>16}{'sent bytes':>16}"]
         for log in self.comm:
             for op, stats in sorted(log.ops.items()):
-                rows.append(f"{log.rank:>4}  {op:<24}{stats.calls:>6}{stats.payload_bytes / 2**20:>13.3f}"
-                            f"{stats.wire_bytes / 2**20:>11.3f}")
+                rows.append(f"{log.rank:>4}  {op:<24}{stats.calls:>6}{stats.payload_bytes:>16,}"
+                            f"{round(stats.wire_bytes):>16,}")
         return "\n".join(rows)
 
 
@@ -185,10 +185,18 @@ class _RankGroup:
         self.conns, self.procs = [], []
         self.ready = [False] * world_size
         lifeline_end, self.lifeline = ctx.Pipe(duplex=False)
-        threads = threads or default_threads(world_size)
-        for r in range(world_size):
+        try:
+            self._start_ranks(ctx, lifeline_end, threads or default_threads(world_size))
+        except BaseException:  # an interrupt while starting: end whatever did start
+            self.close()
+            raise
+        finally:
+            lifeline_end.close()
+
+    def _start_ranks(self, ctx, lifeline_end, threads: int) -> None:
+        for r in range(self.world_size):
             spec = rank_module.RankSpec(
-                rank=r, world_size=world_size, backend=backend, store_port=self.store.port,
+                rank=r, world_size=self.world_size, backend=self.backend, store_port=self.store.port,
                 collective_timeout=self.collective_timeout, threads=threads,
                 stdout_path=os.path.join(self.workdir, f"rank{r}.out"),
                 stderr_path=os.path.join(self.workdir, f"rank{r}.err"),
@@ -201,7 +209,6 @@ class _RankGroup:
             child_end.close()
             self.conns.append(parent_end)
             self.procs.append(proc)
-        lifeline_end.close()
 
     @property
     def alive(self) -> bool:
@@ -216,13 +223,7 @@ class _RankGroup:
         job = (payload, start, os.getcwd(), list(sys.path))
         for conn in self.conns:
             conn.send(job)
-        try:
-            outcome = self._collect(start, timeout)
-        except KeyboardInterrupt:
-            self.close()
-            raise LaunchInterrupted(
-                f"launch interrupted: all {self.world_size} ranks were stopped; the next launch starts fresh"
-            ) from None
+        outcome = self._collect(start, timeout)
         wall = time.perf_counter() - start
         stdout = [self._read_output(r) for r in range(self.world_size)]
         stderr = [self._read_output(r, stream="err") for r in range(self.world_size)]
@@ -403,7 +404,7 @@ class _RankGroup:
             return ""
 
     def close(self) -> None:
-        """End every rank (politely, then by force) and remove the group's files."""
+        """End every rank (politely, then by force) and remove the group's files; safe to repeat."""
         for conn in self.conns:
             try:
                 conn.send(None)
@@ -478,6 +479,11 @@ def _print_rank_output(stdout: list[str], stderr: list[str]) -> None:
             print(f"[rank {r}] {line}", file=sys.stderr)
 
 
+def _interrupted(world_size: int) -> LaunchInterrupted:
+    return LaunchInterrupted(
+        f"launch interrupted: all {world_size} ranks were stopped; the next launch starts fresh")
+
+
 # ---------------------------------------------------------------- public API
 
 def launch(fn: Callable, world_size: int = 4, args: tuple = (), kwargs: dict | None = None, *,
@@ -501,11 +507,15 @@ def launch(fn: Callable, world_size: int = 4, args: tuple = (), kwargs: dict | N
         return Ranks.shared(world_size, backend, collective_timeout, threads).run(
             fn, args, kwargs, timeout=timeout, show_output=show_output)
     backend = resolve_backend(backend, world_size)
-    group = _RankGroup(world_size, backend, collective_timeout, threads)
+    group = None
     try:
+        group = _RankGroup(world_size, backend, collective_timeout, threads)
         run = group.run(fn, args, kwargs or {}, timeout)
+    except KeyboardInterrupt:
+        raise _interrupted(world_size) from None
     finally:
-        group.close()
+        if group is not None:
+            group.close()
     if show_output:
         _print_rank_output(run.stdout, run.stderr)
     return run
@@ -543,11 +553,13 @@ class Ranks:
     def run(self, fn: Callable, args: tuple = (), kwargs: dict | None = None, *,
             timeout: float | None = None, show_output: bool = True) -> Run:
         __tracebackhide__ = True
-        self.start()
         try:
+            self.start()
             run = self._group.run(fn, args, kwargs or {}, timeout)
-        except BaseException:
+        except BaseException as error:
             self.close()
+            if isinstance(error, KeyboardInterrupt) and not isinstance(error, LaunchInterrupted):
+                raise _interrupted(self.world_size) from None
             raise
         if show_output:
             _print_rank_output(run.stdout, run.stderr)

@@ -15,6 +15,7 @@ import sys
 import threading
 import time
 import traceback
+import warnings
 from dataclasses import dataclass
 from datetime import timedelta
 
@@ -66,6 +67,10 @@ def main(spec: RankSpec, conn, lifeline, status) -> None:
         return
     comm.install()
     comm.set_status_hook(status_hook)
+    # torch 2.13 renamed all_gather_into_tensor/reduce_scatter_tensor to *_single; labs keep the
+    # names that work on every supported torch (>=2.8), so the rename notice is noise here.
+    warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed\.\w+_single`",
+                            category=FutureWarning)
     os.ftruncate(1, 0)  # start-up chatter is not the user's output
     os.ftruncate(2, 0)
     conn.send(("ready",))
