@@ -1,0 +1,251 @@
+"""Lab 10 stages one at a time, on real files (warcio), real fastText and real tiktoken."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+
+from distlab.data.dedup import Deduper, candidate_probability, jaccard, shingles
+from distlab.data.document import AccountingError, Document, Ledger, run_stages
+from distlab.data.language import LanguageFilter, detect_language, is_english
+from distlab.data.pii import luhn_valid, scrub_pii
+from distlab.data.quality import gopher_quality_failure, passes_quality
+from distlab.data.read import WarcReader, parse_wet
+from distlab.data.repetition import (duplicate_ngram_char_fraction, gopher_repetition_failure,
+                                     top_ngram_char_fraction)
+from distlab.data.samples import (SampleRecord, card_number, dedup_scores, foreign, near_duplicate_set, prose,
+                                  truncate_file, write_records)
+from distlab.data.shards import EOT, encode_document, gpt2_encoding, read_shard, tokenize_to_bin
+from distlab.data.toxicity import ToxicityFilter
+from distlab.data.urls import UrlDedup, normalize_url
+
+RNG = random.Random(7)
+GOOD = prose(random.Random(1), 200)
+
+
+def record(text: str, number: int, **kw) -> SampleRecord:
+    return SampleRecord("test", text, kw.pop("url", f"https://example.com/{number}"),
+                        kw.pop("record_id", f"<urn:uuid:00000000-0000-4000-8000-{number:012d}>"), **kw)
+
+
+def read_all(path, **kw) -> tuple[list[Document], Ledger]:
+    ledger = Ledger()
+    docs = list(WarcReader(**kw)(str(path), ledger))
+    return docs, ledger
+
+
+# --- read ---------------------------------------------------------------------------------------
+
+def test_wet_reader_keeps_id_url_date_source(tmp_path):
+    path = tmp_path / "a.warc.wet.gz"
+    write_records(path, [record(GOOD, 1), record("second page text", 2)])
+    docs, ledger = read_all(path)
+    assert [d.text for d in docs] == [GOOD, "second page text"]
+    assert docs[0].id == "<urn:uuid:00000000-0000-4000-8000-000000000001>"
+    assert docs[0].url == "https://example.com/1" and docs[0].date.startswith("2024-")
+    assert docs[0].source == "a.warc.wet.gz" and ledger.documents_in == 2 and not ledger.rejected
+
+
+def test_warc_reader_extracts_main_text_from_html(tmp_path):
+    path = tmp_path / "b.warc.gz"
+    write_records(path, [record(GOOD, 1)], kind="warc")
+    [doc] = parse_wet(path)
+    assert "The " in doc.text and "All rights reserved" not in doc.text  # footer boilerplate removed
+    assert "<p>" not in doc.text and len(doc.text.split()) > 150
+
+
+def test_empty_huge_and_non_utf8_records_are_counted_not_crashing(tmp_path):
+    path = tmp_path / "c.warc.wet.gz"
+    write_records(path, [record("", 1), record(GOOD, 2), record("", 3, raw="caf\xe9 cr\xe8me".encode("latin-1")),
+                         record("word " * 5000, 4)])
+    docs, ledger = read_all(path, max_doc_bytes=10_000)
+    assert [d.text for d in docs] == [GOOD]
+    assert ledger.rejected == {"read:empty": 1, "read:non_utf8": 1, "read:too_large": 1}
+    ledger.check_balance(kept=1)
+
+
+@pytest.mark.parametrize("keep_fraction", [0.3, 0.5, 0.8, 0.97])
+def test_truncated_gzip_is_one_counted_rejection(tmp_path, keep_fraction):
+    path = tmp_path / "d.warc.wet.gz"
+    write_records(path, [record(prose(random.Random(n), 300), n) for n in range(8)])
+    truncate_file(path, keep_fraction)
+    docs, ledger = read_all(path)
+    assert ledger.rejected == {"read:truncated_or_corrupt": 1}
+    assert 0 < ledger.documents_in <= 9 and len(docs) == ledger.documents_in - 1
+    assert all(len(d.text.split()) >= 250 for d in docs)  # whatever was returned is complete
+
+
+def test_corrupt_bytes_in_the_middle_do_not_crash(tmp_path):
+    path = tmp_path / "e.warc.wet.gz"
+    write_records(path, [record(prose(random.Random(n), 300), n) for n in range(60)])
+    data = bytearray(path.read_bytes())
+    data[len(data) * 3 // 4:len(data) * 3 // 4 + 64] = bytes(64)
+    path.write_bytes(bytes(data))
+    docs, ledger = read_all(path)
+    ledger.check_balance(len(docs))
+    assert ledger.rejected["read:truncated_or_corrupt"] == 1 and len(docs) >= 1
+
+
+# --- urls, language, quality, repetition, pii, toxicity --------------------------------------
+
+def test_normalize_url_merges_trivial_variants_only():
+    same = ["https://www.Example.com/a/?utm_source=x&b=2&a=1#top", "http://example.com:80/a?a=1&b=2",
+            "HTTPS://example.com:443/a/?b=2&a=1&fbclid=abc"]
+    assert len({normalize_url(u) for u in same}) == 1
+    assert normalize_url("https://example.com/a") != normalize_url("https://example.com/b")
+    assert normalize_url("https://example.com:8080/a") != normalize_url("https://example.com/a")
+
+
+def test_url_dedup_keeps_first_occurrence():
+    docs = [Document(str(i), "x", url=u) for i, u in enumerate(
+        ["https://a.com/x", "http://a.com/x/", "https://a.com/y", "", ""])]
+    ledger = Ledger()
+    kept = list(UrlDedup()(docs, ledger))
+    assert [d.id for d in kept] == ["0", "2", "3", "4"] and ledger.rejected == {"url_dedup:url_duplicate": 1}
+
+
+def test_language_id_with_lite_model_and_deliberate_cap():
+    assert is_english(GOOD)
+    for seed in range(6):
+        text = foreign(random.Random(seed))
+        language, score = detect_language(text)
+        assert language != "en" and score > 0.65, (language, score)
+    # newlines do not break fastText, and a long English page is judged on more than 80 chars
+    assert detect_language("Home | Login\n" + GOOD)[0] == "en"
+    ledger = Ledger()
+    stage = LanguageFilter(languages=("de",), threshold=0.5)
+    kept = list(stage([Document("en", GOOD), Document("de", "Der Garten ist sehr schön und wir gehen "
+                                                            "morgen mit unseren Freunden in die Stadt.")], ledger))
+    assert [d.id for d in kept] == ["de"] and ledger.rejected == {"language:other_language": 1}
+
+
+def quality_text(n_words=80, word="water", extra=""):
+    return " ".join(["the", "of"] + [word] * (n_words - 2)) + extra
+
+
+@pytest.mark.parametrize("text,rule", [
+    ("the cat and the dog " * 5, "word_count"),
+    (" ".join(["the", "and"] + ["supercalifragilistic"] * 60), "mean_word_length"),
+    (" ".join(["the", "and"] + ["#tag"] * 20 + ["river"] * 60), "hash_ratio"),
+    (" ".join(["the", "and"] + ["wait..."] * 20 + ["river"] * 60), "ellipsis_ratio"),
+    ("\n".join(f"• the river of stones number {i}" for i in range(20)), "bullet_lines"),
+    ("\n".join(f"the river of stones went on and on {i}..." if i % 2 else f"the river {i} of stones flowed"
+               for i in range(20)), "ellipsis_lines"),
+    (" ".join(["the", "and"] + ["12345"] * 20 + ["river"] * 60), "alpha_words"),
+    (" ".join(["river", "stones"] * 40), "stop_words"),
+])
+def test_each_gopher_quality_rule_fires_with_its_name(text, rule):
+    assert gopher_quality_failure(text) == rule
+    assert not passes_quality(text)
+
+
+def test_gopher_quality_passes_prose_and_respects_boundaries():
+    assert passes_quality(GOOD)
+    base = ["the", "and"] + ["river"] * 48
+    assert gopher_quality_failure(" ".join(base)) is None  # exactly 50 words
+    assert gopher_quality_failure(" ".join(base[:-1])) == "word_count"
+    ten_percent = ["the", "and"] + ["river"] * 88 + ["#x"] * 10  # 100 words, 10 hashes: allowed
+    assert gopher_quality_failure(" ".join(ten_percent)) is None
+    assert gopher_quality_failure(" ".join(ten_percent + ["#y"])) == "hash_ratio"
+
+
+def test_repetition_measures_match_hand_computation():
+    words = "a b c a b c x".split()
+    assert top_ngram_char_fraction(words, 2) == pytest.approx(4 / 7)  # "a b" twice
+    assert duplicate_ngram_char_fraction(words, 3) == pytest.approx(6 / 7)  # both "a b c", overlap once
+    assert duplicate_ngram_char_fraction("p q r s t".split(), 2) == 0.0
+
+
+@pytest.mark.parametrize("text,rule", [
+    ("\n".join(["Buy now and save."] * 5 + [f"line {i} is new" for i in range(5)]), "dup_line_frac"),
+    ("\n\n".join(["A repeated paragraph of the page."] * 2 + ["\n".join(GOOD.replace("\n\n", " ").split(". "))]), "dup_para_frac"),
+    (" ".join(f"cheap watches {w}" for w in prose(random.Random(3), 60).split()), "top_2gram_char_frac"),
+])
+def test_repetition_rules_fire_with_their_names(text, rule):
+    assert gopher_repetition_failure(text) == rule
+
+
+def test_repetition_passes_prose_and_catches_repeated_passages():
+    assert gopher_repetition_failure(GOOD) is None
+    repeated = GOOD + " " + " ".join(GOOD.split()[:60])
+    assert gopher_repetition_failure(repeated).startswith(("dup_", "top_"))
+
+
+def test_pii_placeholders_and_counts():
+    card = card_number(random.Random(0))
+    text = (f"Mail ana.b@mail.example.org, call (555) 123-4567 or +44 20 7946 0958. Hosts 10.0.0.1, "
+            f"2001:db8::1. Card {card}. Not PII: 4111 1111 1111 1112, version 1.2.3, 12:30:45, 2021-2023.")
+    scrubbed, counts = scrub_pii(text)
+    assert counts == {"email": 1, "phone": 2, "ipv4": 1, "ipv6": 1, "card": 1}
+    for placeholder in ("<EMAIL>", "<PHONE>", "<IP_ADDRESS>", "<CARD_NUMBER>"):
+        assert placeholder in scrubbed
+    assert "4111 1111 1111 1112" in scrubbed and "1.2.3" in scrubbed and "12:30:45" in scrubbed
+    assert luhn_valid(card.replace(" ", "")) and not luhn_valid("4111111111111112")
+
+
+def test_toxicity_filter_takes_a_blocklist_or_any_classifier():
+    ledger = Ledger()
+    docs = [Document("clean", GOOD), Document("dirty", GOOD + " free porn here"), Document("classic", "Essex")]
+    assert [d.id for d in ToxicityFilter()(docs, ledger)] == ["clean", "classic"]  # whole words only
+    classifier = lambda text: 0.9 if "river" in text else 0.1  # noqa: E731
+    kept = list(ToxicityFilter(scorer=classifier)([Document("r", "river"), Document("s", "sea")], ledger))
+    assert [d.id for d in kept] == ["s"]
+    assert ledger.rejected == {"toxicity:blocklist": 1, "toxicity:classifier": 1}
+
+
+# --- near dedup --------------------------------------------------------------------------------
+
+def test_lsh_band_choice_matters():
+    # datasketch picks 9 x 13 for (0.8, 128): a J=0.8 pair is a candidate only ~40% of the time
+    assert candidate_probability(0.8, 9, 13) < 0.45
+    assert candidate_probability(0.8, 16, 8) > 0.94 and candidate_probability(0.85, 16, 8) > 0.99
+
+
+def test_dedup_recall_and_precision_targets_on_ground_truth():
+    docs, truth = near_duplicate_set(n_pairs=200, n_singletons=100, seed=0)
+    deduper = Deduper()
+    flagged = {}
+    for doc_id, text in docs:
+        original = deduper.match(doc_id, deduper.signature(text))
+        if original is not None:
+            flagged[doc_id] = original
+    assert all(truth[copy][0] == original for copy, original in flagged.items() if copy in truth)
+    scores = dedup_scores(flagged, truth)
+    assert scores["true_duplicates"] == 100
+    assert all(value >= 0.85 for _, value, dup in truth.values() if dup)
+    assert scores["recall"] >= 0.95, scores
+    assert scores["precision"] >= 0.95, scores
+
+
+def test_shingles_ignore_case_punctuation_and_digits():
+    assert shingles("The cat, sat ON the mat 1999!") == shingles("the cat sat on the mat 2024")
+    assert jaccard({1, 2}, {2, 3}) == pytest.approx(1 / 3)
+
+
+# --- tokenize --------------------------------------------------------------------------------
+
+def test_tokenize_to_bin_writes_uint16_le_with_eot_between_documents(tmp_path):
+    texts = ["Hello world.", "", "Second document, longer than the first."]
+    offsets = tokenize_to_bin(texts, tmp_path / "s.bin")
+    tokens = read_shard(tmp_path / "s.bin")
+    raw = (tmp_path / "s.bin").read_bytes()
+    assert np.frombuffer(raw, dtype="<u2").tolist() == tokens.tolist()
+    expected = []
+    for text in texts:
+        expected += [EOT] + gpt2_encoding().encode_ordinary(text)
+    assert tokens.tolist() == expected and offsets == [0, 4, 5]
+    assert all(tokens[o] == EOT for o in offsets)
+    assert gpt2_encoding().decode(tokens[offsets[2] + 1:].tolist()) == texts[2]
+    assert encode_document("x").dtype == np.dtype("<u2")
+
+
+def test_ledger_raises_when_documents_go_missing():
+    ledger = Ledger()
+    ledger.admit(3)
+    ledger.reject(Document("a", ""), "x:y")
+    with pytest.raises(AccountingError):
+        ledger.check_balance(kept=1)
+    ledger.check_balance(kept=2)
+    assert list(run_stages([], [], ledger)) == []
