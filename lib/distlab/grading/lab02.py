@@ -1,0 +1,199 @@
+"""Lab 02 checkers: a ring all-reduce and a ring all-gather from point-to-point ops, and
+all-reduce as reduce-scatter + all-gather.
+
+Each checker runs the student's function on real gloo ranks (world sizes 2, 3
+and 4, hidden random tensors whose sizes are often not divisible by the world
+size, float32 and float64), compares every rank's result with
+``torch.distributed``'s built-in collective, and checks what the function sent:
+a ring must be built from ``send``/``isend`` and send 2(N-1)/N * M bytes per
+rank (all-reduce) or (N-1)/N * M (all-gather).
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+import torch.distributed as dist
+
+from distlab.collectives import ring_all_gather_bytes, ring_all_reduce_bytes
+from distlab.grading import CheckFailed
+from distlab.grading.lab00 import WORLD_SIZES, compare_tensor, random_tensor, rank_group, run_job
+from distlab.grading.registry import Exercise
+
+P2P_SENDS = ("send", "isend")
+COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
+               "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter",
+               "reduce_scatter_single", "all_gather_single")
+_UNTRACKED = ("reduce_scatter_single", "all_gather_single")  # torch >= 2.11 names that distlab.comm does not wrap
+
+
+def _cases(rng: random.Random, n: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
+    """Per world size: a 1-D size not divisible by n, a 2-D float64 tensor, and (n > 2) a tensor smaller than n."""
+    numel = rng.randint(n + 1, 3000)
+    if numel % n == 0:
+        numel += 1
+    cases = [((numel,), torch.float32), ((rng.randint(1, 9), rng.randint(1, 40)), torch.float64)]
+    if n > 2:
+        cases.append(((rng.randint(1, n - 1),), torch.float32))
+    return cases
+
+
+def _run_student(student_fn, x):
+    """Call ``student_fn(x)`` and return (its value, ops called, bytes sent with send/isend)."""
+    from distlab import comm
+
+    counters = {}
+    saved = {}
+    for name in _UNTRACKED:  # count the direct calls of these too, while the student's code runs
+        real = getattr(dist, name, None)
+        if real is None:
+            continue
+
+        def counted(*args, real_fn=real, op_name=name, **kwargs):
+            counters[op_name] = counters.get(op_name, 0) + 1
+            return real_fn(*args, **kwargs)
+
+        saved[name] = real
+        setattr(dist, name, counted)
+    try:
+        value = student_fn(x)
+    finally:
+        for name, real in saved.items():
+            setattr(dist, name, real)
+    log = comm.current_log()
+    ops = {op: stats.calls for op, stats in log.ops.items() if stats.calls}
+    ops.update(counters)
+    sent = log.total("wire_bytes", ops=P2P_SENDS)
+    return value, ops, sent
+
+
+def _collectives_called(ops: dict[str, int]) -> list[str]:
+    return [f"dist.{op}" for op in COLLECTIVES if ops.get(op)]
+
+
+def _check_sent(r: int, n: int, sent: float, expected: float, tolerance: float, what: str, ops) -> None:
+    if sent == 0 and n > 1:
+        used = _collectives_called(ops)
+        because = f" (it called {', '.join(used)})" if used else ""
+        raise CheckFailed(f"your ring sent 0 bytes with send/isend{because}; it must be built from "
+                          f"point-to-point ops ({what})")
+    if abs(sent - expected) > tolerance:
+        raise CheckFailed(f"rank {r} sent {sent:.0f} bytes with send/isend, but a ring sends "
+                          f"{expected:.0f} per rank ({what}): each step should send one chunk, not the whole tensor")
+
+
+# ---------------------------------------------------------------- 2.1 ring all-reduce
+
+def _all_reduce_job(student_fn, shape, dtype, seed):
+    """The student's result (their return value, or the argument they reduced in place) and the built-in's."""
+    x = random_tensor(shape, dtype, seed, dist.get_rank())
+    arg = x.clone()
+    value, ops, sent = _run_student(student_fn, arg)
+    got = arg if value is None else value
+    got = got.detach().clone() if isinstance(got, torch.Tensor) else got
+    expected = x.clone()
+    dist.all_reduce(expected)
+    return got, expected, ops, sent
+
+
+def _check_all_reduce(student_fn, p2p: bool) -> int:
+    rng = random.Random()
+    cases = 0
+    what_fn = "your ring" if p2p else "your all-reduce"
+    for n in WORLD_SIZES:
+        with rank_group(n, what_fn) as ranks:
+            for shape, dtype in _cases(rng, n):
+                run = run_job(ranks, _all_reduce_job, student_fn, shape, dtype, rng.randrange(10**6))
+                cases += 1
+                numel = math.prod(shape)
+                element = torch.tensor([], dtype=dtype).element_size()
+                what = f"world size {n}, {numel} {str(dtype).replace('torch.', '')} elements"
+                if n > 2 and numel < n:
+                    what += ", fewer elements than ranks"
+                for r, (got, expected, ops, sent) in enumerate(run):
+                    compare_tensor(r, expected, got, what)
+                total = 0.0
+                for r, (got, expected, ops, sent) in enumerate(run):
+                    if p2p:
+                        chunk = max(math.ceil(numel / n), 2) * element
+                        _check_sent(r, n, sent, ring_all_reduce_bytes(numel * element, n), chunk, what, ops)
+                        total += sent
+                    else:
+                        _check_reduce_scatter_all_gather(r, ops, what)
+                if p2p and total != 2 * (n - 1) * numel * element:
+                    raise CheckFailed(f"the {n} ranks together sent {total:.0f} bytes with send/isend; a ring "
+                                      f"all-reduce sends each chunk N-1 times per phase, "
+                                      f"{2 * (n - 1) * numel * element} bytes in all ({what})")
+    return cases
+
+
+def check_ring_all_reduce(student_fn) -> str:
+    """``student_fn(tensor)`` sums ``tensor`` over all ranks in place (and may return it), from send/recv."""
+    cases = _check_all_reduce(student_fn, p2p=True)
+    return f"matches dist.all_reduce on {cases} random tensors, 2-4 ranks; each rank sent 2(N-1)/N*M bytes"
+
+
+# ---------------------------------------------------------------- 2.2 ring all-gather
+
+def _all_gather_job(student_fn, shape, dtype, seed):
+    n = dist.get_world_size()
+    x = random_tensor(shape, dtype, seed, dist.get_rank())
+    value, ops, sent = _run_student(student_fn, x.clone())
+    if isinstance(value, (list, tuple)):
+        value = [v.detach().clone() if isinstance(v, torch.Tensor) else v for v in value]
+    expected = [torch.empty_like(x) for _ in range(n)]
+    dist.all_gather(expected, x)
+    return value, expected, ops, sent
+
+
+def check_ring_all_gather(student_fn) -> str:
+    """``student_fn(tensor)`` returns a list whose entry i is rank i's tensor, from send/recv."""
+    rng = random.Random()
+    cases = 0
+    for n in WORLD_SIZES:
+        with rank_group(n, "your ring") as ranks:
+            for shape, dtype in _cases(rng, n):
+                run = run_job(ranks, _all_gather_job, student_fn, shape, dtype, rng.randrange(10**6))
+                cases += 1
+                numel = math.prod(shape)
+                element = torch.tensor([], dtype=dtype).element_size()
+                what = f"world size {n}, {numel} {str(dtype).replace('torch.', '')} elements per rank"
+                for r, (got, expected, ops, sent) in enumerate(run):
+                    if not isinstance(got, (list, tuple)) or len(got) != n:
+                        kind = f"a {type(got).__name__}" + (f" of length {len(got)}"
+                                                            if isinstance(got, (list, tuple)) else "")
+                        raise CheckFailed(f"rank {r} returned {kind}; return a list of {n} tensors, "
+                                          f"entry i being rank i's tensor ({what})")
+                    for src in range(n):
+                        compare_tensor(r, expected[src], got[src], f"entry {src}, {what}")
+                for r, (got, expected, ops, sent) in enumerate(run):
+                    _check_sent(r, n, sent, ring_all_gather_bytes(n * numel * element, n), 0, what, ops)
+    return (f"matches dist.all_gather on {cases} random tensors, 2-4 ranks; "
+            "each rank sent (N-1)/N*M bytes")
+
+
+# ---------------------------------------------------------------- 2.3 reduce-scatter + all-gather
+
+def _check_reduce_scatter_all_gather(r: int, ops: dict[str, int], what: str) -> None:
+    if ops.get("all_reduce"):
+        raise CheckFailed(f"rank {r} called dist.all_reduce; build the all-reduce from "
+                          f"dist.reduce_scatter_tensor and dist.all_gather_into_tensor ({what})")
+    if not (ops.get("reduce_scatter_tensor") or ops.get("reduce_scatter_single") or ops.get("reduce_scatter")):
+        raise CheckFailed(f"rank {r} never called dist.reduce_scatter_tensor ({what})")
+    if not (ops.get("all_gather_into_tensor") or ops.get("all_gather_single") or ops.get("all_gather")):
+        raise CheckFailed(f"rank {r} never called dist.all_gather_into_tensor ({what})")
+
+
+def check_all_reduce_via_reduce_scatter(student_fn) -> str:
+    """``student_fn(tensor)`` all-reduces in place with reduce_scatter_tensor then all_gather_into_tensor."""
+    cases = _check_all_reduce(student_fn, p2p=False)
+    return f"matches dist.all_reduce on {cases} random tensors, 2-4 ranks, with reduce-scatter + all-gather"
+
+
+EXERCISES = [
+    Exercise("2.1", "ring all-reduce from send/recv", 3, check_ring_all_reduce),
+    Exercise("2.2", "ring all-gather from send/recv", 2, check_ring_all_gather),
+    Exercise("2.3", "all-reduce = reduce-scatter + all-gather", 1, check_all_reduce_via_reduce_scatter),
+]
