@@ -183,6 +183,10 @@ def _wrap(op: str, real: Callable) -> Callable:
         if work is None or blocking:
             _finish_event(index)
             return work
+        try:  # stamp the true completion time, so overlap shows on the timeline
+            work.get_future().add_done_callback(lambda _: _finish_event(index))
+        except RuntimeError:
+            pass  # this backend/op has no future; the span then ends at wait()
         return _TrackedWork(work, op, index)
 
     counted.__distlab_real__ = real

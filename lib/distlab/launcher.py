@@ -145,7 +145,10 @@ def _forkserver_context():
             _context = mp.get_context("spawn")
         else:
             _context = mp.get_context("forkserver")
-            _context.set_forkserver_preload(["torch", "torch.distributed", "cloudpickle", "distlab.rank"])
+            # torch.fx's symbolic_shapes (sympy) is imported lazily by the first meta-device model build;
+            # importing it here once saves every new rank about half a second of CPU.
+            _context.set_forkserver_preload(["torch", "torch.distributed", "torch.fx.experimental.symbolic_shapes",
+                                             "cloudpickle", "distlab.rank"])
     return _context
 
 

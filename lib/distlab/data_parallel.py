@@ -1,0 +1,603 @@
+"""Distributed data parallel (DDP) from scratch: naive, bucketed, and overlapped with backward.
+
+Every rank holds a full copy of the model and trains on its own slice of the
+global batch. After backward each rank has the gradient of *its* local mean
+loss; averaging those gradients over the N ranks gives exactly the gradient of
+the mean loss over the whole batch (the local batches are equal-sized), so
+after ``optimizer.step()`` every rank holds the weights a single process would
+have after training on the full batch. Three ways to do the averaging:
+
+* :class:`NaiveDDP` — after backward, one blocking ``all_reduce`` per parameter.
+* :class:`BucketedDDP` — parameters grouped (in reverse registration order, the
+  order backward produces their gradients) into buckets of ``bucket_cap_bytes``;
+  one flat ``all_reduce`` per bucket: fewer, larger messages.
+* :class:`OverlappedDDP` — the buckets' all-reduces are launched asynchronously
+  from gradient hooks as soon as a bucket is full, so communication runs while
+  backward is still computing the earlier layers; ``finish_gradient_sync()``
+  waits for them before the optimizer step.
+
+All three (and :class:`TorchDDP`, PyTorch's own, for comparison) share one
+interface used by :func:`train_step`: ``ddp(x, y)`` runs the module,
+``ddp.no_sync()`` skips communication on gradient-accumulation micro-steps and
+``ddp.finish_gradient_sync()`` completes the averaging.
+
+The module-level :func:`train` runs unchanged under ``distlab.launch`` and
+under torchrun::
+
+    torchrun --nproc-per-node=4 -m distlab.torchrun distlab.data_parallel:train steps=20 variant=overlapped
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from contextlib import contextmanager, nullcontext
+from typing import Callable, Iterable, Sequence
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from distlab.model import GPT, GPTConfig, synthetic_batch
+from distlab.reference import make_optimizer
+from distlab.timeline import span
+
+__all__ = [
+    "DEFAULT_BUCKET_CAP_BYTES", "broadcast_parameters", "allreduce_gradients", "gradient_params", "gradient_bytes",
+    "assign_buckets", "allreduce_buckets", "Bucket", "NaiveDDP", "BucketedDDP", "OverlappedDDP", "TorchDDP",
+    "VARIANTS", "make_ddp", "EdgeCaseGPT", "build_model", "local_batches", "global_batch", "train_step",
+    "train_worker", "reference_run", "train",
+]
+
+DEFAULT_BUCKET_CAP_BYTES = 25 * 2**20  # PyTorch DDP's default bucket_cap_mb=25
+
+
+# ---------------------------------------------------------------- helpers shared by every variant
+
+def _require_process_group() -> None:
+    if not dist.is_available() or not dist.is_initialized():
+        raise RuntimeError(
+            "torch.distributed is not initialised: run this inside distlab.launch(fn, world_size) / "
+            "distlab.Ranks(n).run(fn), or under torchrun (python -m distlab.torchrun module:function)")
+
+
+def gradient_params(module: nn.Module) -> list[nn.Parameter]:
+    """Parameters that receive gradients, in registration order, a tied weight once."""
+    return [p for p in module.parameters() if p.requires_grad]  # parameters() already de-duplicates
+
+
+def gradient_bytes(module: nn.Module) -> int:
+    """Bytes of all gradients one step produces: what DDP must all-reduce, each exactly once."""
+    return sum(p.numel() * p.element_size() for p in gradient_params(module))
+
+
+@torch.no_grad()
+def broadcast_parameters(module: nn.Module, src: int = 0) -> None:
+    """Copy rank ``src``'s parameters (frozen ones too) and buffers to every rank."""
+    _require_process_group()
+    for p in module.parameters():
+        dist.broadcast(p.data, src=src)
+    for b in module.buffers():
+        dist.broadcast(b.data, src=src)
+
+
+@torch.no_grad()
+def allreduce_gradients(module: nn.Module) -> None:
+    """Naive DDP: average every gradient over the ranks, one blocking all-reduce per parameter.
+
+    A parameter without a gradient on this rank (unused in this step) still joins
+    its all-reduce with zeros, so every rank makes the same calls in the same order.
+    """
+    _require_process_group()
+    world = dist.get_world_size()
+    for p in gradient_params(module):
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        dist.all_reduce(p.grad)
+        p.grad.div_(world)
+
+
+def assign_buckets(params: Iterable[nn.Parameter], bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES
+                   ) -> list[list[nn.Parameter]]:
+    """Group ``params`` into buckets, PyTorch's rule: walk them in *reverse* order (backward
+    produces the last layers' gradients first), append each to the open bucket, and close
+    the bucket once it holds ``bucket_cap_bytes`` or more. Frozen parameters are skipped,
+    a tied weight appears once, and a change of dtype/device starts a new bucket."""
+    if isinstance(bucket_cap_bytes, bool) or not isinstance(bucket_cap_bytes, (int, float)) or bucket_cap_bytes <= 0:
+        raise ValueError(f"bucket_cap_bytes must be a positive number of bytes, got {bucket_cap_bytes!r}")
+    seen: set[int] = set()
+    ordered = []
+    for p in params:
+        if p.requires_grad and id(p) not in seen:
+            seen.add(id(p))
+            ordered.append(p)
+    buckets: list[list[nn.Parameter]] = []
+    current: list[nn.Parameter] = []
+    size = 0
+    for p in reversed(ordered):
+        if current and (p.dtype, p.device) != (current[0].dtype, current[0].device):
+            buckets.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += p.numel() * p.element_size()
+        if size >= bucket_cap_bytes:
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+@torch.no_grad()
+def allreduce_buckets(buckets: Sequence[Sequence[nn.Parameter]]) -> None:
+    """Bucketed DDP on plain lists of parameters: per bucket, flatten the gradients (zeros
+    for a missing one) into one tensor, all-reduce it once, divide, copy back."""
+    _require_process_group()
+    world = dist.get_world_size()
+    for bucket in buckets:
+        flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket])
+        dist.all_reduce(flat)
+        flat.div_(world)
+        offset = 0
+        for p in bucket:
+            n = p.numel()
+            p.grad = flat[offset:offset + n].view_as(p).clone()
+            offset += n
+
+
+class Bucket:
+    """One bucket: its parameters and a flat buffer with a view shaped like each of them."""
+
+    def __init__(self, index: int, params: Sequence[nn.Parameter]):
+        if not params:
+            raise ValueError("a bucket needs at least one parameter")
+        self.index = index
+        self.params = list(params)
+        self.numel = sum(p.numel() for p in self.params)
+        self.buffer = torch.zeros(self.numel, dtype=self.params[0].dtype, device=self.params[0].device)
+        self.views: list[torch.Tensor] = []
+        offset = 0
+        for p in self.params:
+            self.views.append(self.buffer[offset:offset + p.numel()].view_as(p))
+            offset += p.numel()
+
+    @property
+    def nbytes(self) -> int:
+        return self.numel * self.buffer.element_size()
+
+    @torch.no_grad()
+    def load_grad(self, j: int) -> None:
+        """Copy parameter ``j``'s gradient into the buffer (zeros when it has none)."""
+        p, view = self.params[j], self.views[j]
+        if p.grad is None:
+            view.zero_()
+        elif p.grad.data_ptr() != view.data_ptr():  # already the view: autograd accumulated in place
+            view.copy_(p.grad)
+
+    def load_grads(self) -> None:
+        for j in range(len(self.params)):
+            self.load_grad(j)
+
+    def store_grads(self) -> None:
+        """Make every ``p.grad`` a view of the (reduced) buffer: no copy back, and a next
+        backward after ``zero_grad(set_to_none=False)`` accumulates straight into the bucket."""
+        for p, view in zip(self.params, self.views):
+            p.grad = view
+
+    def __repr__(self) -> str:
+        return f"Bucket({self.index}, {len(self.params)} params, {self.nbytes} bytes)"
+
+
+# ---------------------------------------------------------------- the DDP wrappers
+
+class _DataParallel(nn.Module):
+    """What every variant shares: broadcast at construction, forward, no_sync, bookkeeping."""
+
+    def __init__(self, module: nn.Module, *, broadcast: bool = True, find_unused_parameters: bool = False):
+        super().__init__()
+        _require_process_group()
+        self.module = module
+        self.world_size = dist.get_world_size()
+        self.grad_params = gradient_params(module)
+        self.require_backward_grad_sync = True
+        self.find_unused_parameters = find_unused_parameters
+        if broadcast:
+            broadcast_parameters(module)
+
+    def forward(self, *args, **kwargs):
+        return self.module(*args, **kwargs)
+
+    @contextmanager
+    def no_sync(self):
+        """Inside, backward only accumulates local gradients; the next synced backward averages them."""
+        previous = self.require_backward_grad_sync
+        self.require_backward_grad_sync = False
+        try:
+            yield
+        finally:
+            self.require_backward_grad_sync = previous
+
+    @property
+    def grad_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for p in self.grad_params)
+
+    def _local_usage(self) -> torch.Tensor | None:
+        """With ``find_unused_parameters``: 1 for each parameter that has a gradient on this rank."""
+        if not self.find_unused_parameters:
+            return None
+        return torch.tensor([p.grad is not None for p in self.grad_params], dtype=torch.int32,
+                            device=self.grad_params[0].device if self.grad_params else None)
+
+    def _global_usage(self) -> torch.Tensor | None:
+        """How many ranks produced each gradient this step (one small extra all-reduce;
+        call it before missing gradients are zero-filled)."""
+        used = self._local_usage()
+        if used is not None:
+            dist.all_reduce(used)
+        return used
+
+    def _drop_unused(self, used: torch.Tensor | None) -> None:
+        """A parameter no rank used keeps ``grad=None``, as in single-process training (so an
+        optimizer like AdamW skips it instead of decaying its moments with a zero gradient)."""
+        if used is None:
+            return
+        for p, count in zip(self.grad_params, used.tolist()):
+            if count == 0:
+                p.grad = None
+
+    def finish_gradient_sync(self) -> None:  # pragma: no cover - every variant overrides it
+        raise NotImplementedError
+
+
+class NaiveDDP(_DataParallel):
+    """After backward: one blocking all-reduce per parameter (:func:`allreduce_gradients`)."""
+
+    def finish_gradient_sync(self) -> None:
+        if self.require_backward_grad_sync:
+            used = self._global_usage()
+            allreduce_gradients(self.module)
+            self._drop_unused(used)
+
+
+class BucketedDDP(_DataParallel):
+    """After backward: one blocking all-reduce per bucket of about ``bucket_cap_bytes``.
+
+    ``self.buckets`` lists :class:`Bucket` objects; ``self.position[p]`` is ``(bucket
+    index, slot in that bucket)`` of parameter ``p``.
+    """
+
+    def __init__(self, module: nn.Module, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, *, broadcast: bool = True,
+                 find_unused_parameters: bool = False):
+        super().__init__(module, broadcast=broadcast, find_unused_parameters=find_unused_parameters)
+        self.bucket_cap_bytes = bucket_cap_bytes
+        self.buckets = [Bucket(i, ps) for i, ps in enumerate(assign_buckets(self.grad_params, bucket_cap_bytes))]
+        self.position = {p: (i, j) for i, b in enumerate(self.buckets) for j, p in enumerate(b.params)}
+
+    @torch.no_grad()
+    def finish_gradient_sync(self) -> None:
+        if not self.require_backward_grad_sync:
+            return
+        used = self._global_usage()
+        for bucket in self.buckets:
+            bucket.load_grads()
+            dist.all_reduce(bucket.buffer)
+            bucket.buffer.div_(self.world_size)
+            bucket.store_grads()
+        self._drop_unused(used)
+
+
+class OverlappedDDP(BucketedDDP):
+    """Bucketed DDP whose all-reduces run during backward.
+
+    A post-accumulate-grad hook on every parameter copies its gradient into its
+    bucket; when a bucket is full its flat buffer is divided by the world size and
+    all-reduced with ``async_op=True``. Buckets are launched strictly in bucket
+    order (a full bucket waits for the earlier ones), so every rank issues the same
+    collectives in the same order even when hooks fire in a different order or a
+    parameter gets no gradient. ``finish_gradient_sync()`` launches the buckets that
+    never filled (missing gradients count as zeros), waits for every handle and
+    leaves each ``p.grad`` a view of its reduced bucket.
+    """
+
+    def __init__(self, module: nn.Module, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, *, broadcast: bool = True,
+                 find_unused_parameters: bool = False):
+        super().__init__(module, bucket_cap_bytes, broadcast=broadcast, find_unused_parameters=find_unused_parameters)
+        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self.grad_params]
+        self._reset()
+
+    def _reset(self) -> None:
+        self._ready: list[set[int]] = [set() for _ in self.buckets]
+        self._next = 0  # the next bucket to launch
+        self._works: list = []
+
+    def forward(self, *args, **kwargs):
+        if self._works or any(self._ready):
+            raise RuntimeError("OverlappedDDP: finish_gradient_sync() was not called after the last synced "
+                               "backward; call it before optimizer.step() in every step")
+        return self.module(*args, **kwargs)
+
+    @torch.no_grad()
+    def _grad_ready(self, param: torch.Tensor) -> None:
+        if not self.require_backward_grad_sync:
+            return
+        i, j = self.position[param]
+        if j in self._ready[i]:
+            raise RuntimeError("OverlappedDDP: a gradient arrived twice before finish_gradient_sync(); run one "
+                               "backward per step, or accumulate inside ddp.no_sync()")
+        self.buckets[i].load_grad(j)
+        self._ready[i].add(j)
+        self._launch_ready()
+
+    @torch.no_grad()
+    def _launch_ready(self, flush: bool = False) -> None:
+        """Launch, in bucket order, every bucket that is full (all of them when ``flush``)."""
+        while self._next < len(self.buckets):
+            bucket, ready = self.buckets[self._next], self._ready[self._next]
+            if len(ready) < len(bucket.params):
+                if not flush:
+                    return
+                for j in range(len(bucket.params)):
+                    if j not in ready:  # no gradient this step: its current grad, or zeros
+                        bucket.load_grad(j)
+            bucket.buffer.div_(self.world_size)
+            self._works.append(dist.all_reduce(bucket.buffer, async_op=True))
+            self._next += 1
+
+    def finish_gradient_sync(self) -> None:
+        if not self.require_backward_grad_sync:
+            return
+        used = self._local_usage()  # before the flush zero-fills the buckets' missing slots
+        self._launch_ready(flush=True)
+        if used is not None:  # after every bucket, so all ranks issue their collectives in one order
+            dist.all_reduce(used)
+        for bucket, work in zip(self.buckets, self._works):
+            work.wait()
+            bucket.store_grads()
+        self._reset()
+        self._drop_unused(used)
+
+    def remove_hooks(self) -> None:
+        for handle in self._hooks:
+            handle.remove()
+        self._hooks = []
+
+
+class TorchDDP:
+    """``torch.nn.parallel.DistributedDataParallel`` behind the same interface (its C++
+    reducer averages during backward; its collectives are not in distlab's comm log)."""
+
+    def __init__(self, module: nn.Module, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, **ddp_options):
+        _require_process_group()
+        from torch.nn.parallel import DistributedDataParallel
+
+        self.module = module
+        self.ddp = DistributedDataParallel(module, bucket_cap_mb=bucket_cap_bytes / 2**20, **ddp_options)
+        self.grad_params = gradient_params(module)
+
+    def __call__(self, *args, **kwargs):
+        return self.ddp(*args, **kwargs)
+
+    def no_sync(self):
+        return self.ddp.no_sync()
+
+    def finish_gradient_sync(self) -> None:
+        pass  # the reducer has already waited for its buckets at the end of backward
+
+
+VARIANTS: dict[str, Callable] = {"naive": NaiveDDP, "bucketed": BucketedDDP, "overlapped": OverlappedDDP,
+                                 "torch": TorchDDP}
+
+
+def make_ddp(variant: str, module: nn.Module, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
+             find_unused_parameters: bool = False):
+    """``variant`` ∈ naive | bucketed | overlapped | torch, wrapped around ``module``."""
+    if variant not in VARIANTS:
+        raise ValueError(f"variant must be one of {sorted(VARIANTS)}, got {variant!r}")
+    if variant == "naive":
+        return NaiveDDP(module, find_unused_parameters=find_unused_parameters)
+    return VARIANTS[variant](module, bucket_cap_bytes, find_unused_parameters=find_unused_parameters)
+
+
+# ---------------------------------------------------------------- models and data
+
+class EdgeCaseGPT(nn.Module):
+    """The lab's GPT with every parameter situation DDP must handle.
+
+    * ``gpt.tok_emb.weight`` is tied to the output projection (when ``cfg.tied_embeddings``);
+    * ``gpt.pos_emb.weight`` is frozen (``requires_grad=False``): broadcast, never reduced;
+    * ``unused`` never gets a gradient;
+    * ``rare_bias`` is added to the logits of rows whose first token is below vocab/4 only,
+      so on a rank whose rows have none it gets no gradient while other ranks' does.
+    """
+
+    def __init__(self, cfg: GPTConfig, seed: int = 0):
+        super().__init__()
+        self.gpt = GPT(cfg, seed=seed)
+        self.gpt.pos_emb.weight.requires_grad_(False)
+        generator = torch.Generator().manual_seed(seed + 12345)
+        self.unused = nn.Parameter(torch.randn(cfg.d_model, generator=generator))
+        self.rare_bias = nn.Parameter(0.1 * torch.randn(cfg.vocab_size, generator=generator))
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
+        logits = self.gpt(idx)
+        rare = idx[:, 0] < self.gpt.cfg.vocab_size // 4
+        if bool(rare.any()):
+            logits = logits + rare[:, None, None].to(logits.dtype) * self.rare_bias
+        if targets is None:
+            return logits
+        return logits, F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
+
+
+def build_model(kind: str, cfg: GPTConfig, seed: int = 0) -> nn.Module:
+    """``"gpt"``: :class:`~distlab.model.GPT`; ``"edge"``: :class:`EdgeCaseGPT`."""
+    if kind == "gpt":
+        return GPT(cfg, seed=seed)
+    if kind == "edge":
+        return EdgeCaseGPT(cfg, seed=seed)
+    raise ValueError(f"model must be 'gpt' or 'edge', got {kind!r}")
+
+
+def global_batch(cfg: GPTConfig, batch_size: int, step: int, data_seed: int = 0):
+    """The whole step's ``(x, y)``: what the single-process reference trains on."""
+    return synthetic_batch(cfg, batch_size, step, seed=data_seed)
+
+
+def local_batches(cfg: GPTConfig, batch_size: int, step: int, rank: int, world_size: int, accum: int = 1,
+                  data_seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Rank ``rank``'s share of the global batch, split into ``accum`` micro-batches.
+
+    Rank r gets rows ``r·B/N … (r+1)·B/N``; each micro-batch has ``B/(N·accum)`` rows.
+    """
+    if batch_size % (world_size * accum):
+        raise ValueError(f"global batch {batch_size} is not divisible by world_size·accum = "
+                         f"{world_size}·{accum}: the local batches must be equal-sized for the averaged "
+                         f"gradient to equal the full-batch gradient")
+    x, y = global_batch(cfg, batch_size, step, data_seed)
+    local = batch_size // world_size
+    x, y = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
+    micro = local // accum
+    return [(x[a * micro:(a + 1) * micro], y[a * micro:(a + 1) * micro]) for a in range(accum)]
+
+
+# ---------------------------------------------------------------- training
+
+def train_step(ddp, optimizer: torch.optim.Optimizer, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
+               *, set_to_none: bool = True) -> float:
+    """One optimizer step over ``micro_batches`` (gradient accumulation when there are
+    several): communication only on the last micro-step, the loss scaled by 1/A so the
+    accumulated gradient is the mean. Records forward/backward/optimizer spans."""
+    accum = len(micro_batches)
+    total = 0.0
+    for a, (x, y) in enumerate(micro_batches):
+        with nullcontext() if a == accum - 1 else ddp.no_sync():
+            with span("forward"):
+                _, loss = ddp(x, y)
+            with span("backward"):
+                (loss / accum if accum > 1 else loss).backward()
+        total += loss.item()
+    ddp.finish_gradient_sync()
+    with span("optimizer"):
+        optimizer.step()
+        optimizer.zero_grad(set_to_none=set_to_none)
+    return total / accum
+
+
+def _state(module: nn.Module) -> dict[str, torch.Tensor]:
+    return {name: t.detach().to("cpu", copy=True) for name, t in module.state_dict().items()}
+
+
+def _device() -> torch.device:
+    from distlab.rank import device
+
+    return device()
+
+
+def train_worker(variant: str = "overlapped", cfg: GPTConfig | None = None, steps: int = 3, batch_size: int = 8,
+                 accum: int = 1, seed: int = 0, data_seed: int = 0, optimizer: str = "sgd", lr: float = 0.1,
+                 bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, model: str = "gpt", warmup: int = 0,
+                 return_state: bool = True, ddp_factory: Callable | None = None, step_fn: Callable | None = None,
+                 set_to_none: bool = True, find_unused_parameters: bool | None = None) -> dict:
+    """Train on this rank (inside ``distlab.launch``/``Ranks.run`` or torchrun) and report.
+
+    Rank 0 builds its model with ``seed``, the others with different seeds, so the
+    initial broadcast matters. ``batch_size`` is the *global* batch, split over ranks
+    and ``accum`` micro-steps. ``ddp_factory(module, bucket_cap_bytes)`` replaces the
+    variant (a student's class), ``step_fn(ddp, optimizer, micro_batches)`` replaces
+    :func:`train_step`. ``warmup`` extra steps run first and are not timed.
+    ``find_unused_parameters`` defaults to True for torch's DDP on the edge-case model
+    (which it needs) and False otherwise.
+
+    Returns ``losses``, ``step_times`` (seconds, barrier to barrier, after warmup),
+    ``state`` (the final ``state_dict``), ``grad_bytes`` and ``n_buckets``.
+    """
+    _require_process_group()
+    cfg = cfg or GPTConfig()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    dev = _device()  # this rank's GPU under NCCL, else the CPU
+    module = build_model(model, cfg, seed=seed if rank == 0 else seed + 1000 * rank + 1).to(dev)
+    if ddp_factory is not None:
+        ddp = ddp_factory(module, bucket_cap_bytes)
+    else:
+        if find_unused_parameters is None:
+            find_unused_parameters = variant == "torch" and model == "edge"
+        ddp = make_ddp(variant, module, bucket_cap_bytes, find_unused_parameters)
+    opt = make_optimizer(module.parameters(), optimizer, lr=lr)
+    step_fn = step_fn or (lambda d, o, mb: train_step(d, o, mb, set_to_none=set_to_none))
+    losses, times = [], []
+    for step in range(warmup + steps):
+        micro = [(x.to(dev), y.to(dev)) for x, y in local_batches(cfg, batch_size, step, rank, world, accum, data_seed)]
+        dist.barrier()
+        start = time.perf_counter()
+        losses.append(float(step_fn(ddp, opt, micro)))
+        dist.barrier()
+        if step >= warmup:
+            times.append(time.perf_counter() - start)
+    buckets = getattr(ddp, "buckets", None)
+    return {
+        "rank": rank, "variant": variant if ddp_factory is None else "custom", "losses": losses,
+        "step_times": times, "state": _state(module) if return_state else None,
+        "grad_bytes": gradient_bytes(module), "n_buckets": len(buckets) if buckets is not None else None,
+    }
+
+
+def reference_run(cfg: GPTConfig | None = None, steps: int = 3, batch_size: int = 8, seed: int = 0,
+                  data_seed: int = 0, optimizer: str = "sgd", lr: float = 0.1, model: str = "gpt",
+                  keep_states: bool = False) -> dict:
+    """The single-process run every variant must reproduce: the same model (rank 0's seed),
+    the same optimizer, one step per *global* batch. ``states`` holds the weights after
+    each step when ``keep_states``; ``initial`` the weights before training."""
+    cfg = cfg or GPTConfig()
+    module = build_model(model, cfg, seed=seed)
+    opt = make_optimizer(module.parameters(), optimizer, lr=lr)
+    out = {"initial": _state(module), "losses": [], "states": []}
+    for step in range(steps):
+        x, y = global_batch(cfg, batch_size, step, data_seed)
+        _, loss = module(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        out["losses"].append(loss.item())
+        if keep_states:
+            out["states"].append(_state(module))
+    out["state"] = _state(module)
+    return out
+
+
+def train(steps: int = 20, variant: str = "overlapped", batch_size: int = 8, accum: int = 1,
+          n_layer: int = 2, d_model: int = 128, n_head: int = 4, vocab_size: int = 256, seq_len: int = 64,
+          bucket_mb: float = 25.0, optimizer: str = "adamw", lr: float = 1e-3, seed: int = 0,
+          warmup: int = 2, log_every: int = 0) -> dict:
+    """Train the lab's GPT with one DDP variant; the entry point for torchrun.
+
+    ``batch_size`` is per rank and micro-step (as in most torchrun scripts): the global
+    batch is ``batch_size · accum · world_size``. Returns this rank's summary: first and
+    last loss, median step time, tokens/s over all ranks and all-reduce bytes per step.
+    """
+    from distlab import comm
+
+    _require_process_group()
+    steps, accum, warmup = int(steps), int(accum), int(warmup)
+    cfg = GPTConfig(vocab_size=int(vocab_size), seq_len=int(seq_len), n_layer=int(n_layer), n_head=int(n_head),
+                    d_model=int(d_model))
+    world = dist.get_world_size()
+    global_size = int(batch_size) * accum * world
+    before = comm.current_log().ops.get("all_reduce")
+    payload_before = before.payload_bytes if before else 0
+    result = train_worker(variant, cfg, steps=steps, batch_size=global_size, accum=accum, seed=int(seed),
+                          optimizer=optimizer, lr=float(lr), bucket_cap_bytes=int(float(bucket_mb) * 2**20),
+                          warmup=warmup, return_state=False)
+    if log_every and dist.get_rank() == 0:
+        for i, loss in enumerate(result["losses"]):
+            if i % int(log_every) == 0 or i == len(result["losses"]) - 1:
+                print(f"step {i:4d}  loss {loss:.4f}", flush=True)
+    after = comm.current_log().ops.get("all_reduce")
+    payload = (after.payload_bytes if after else 0) - payload_before
+    step_time = statistics.median(result["step_times"]) if result["step_times"] else float("nan")
+    return {
+        "rank": result["rank"], "variant": variant, "world_size": world, "loss_first": round(result["losses"][0], 4),
+        "loss_last": round(result["losses"][-1], 4), "step_time_s": round(step_time, 4),
+        "tokens_per_s": round(global_size * cfg.seq_len / step_time, 1),
+        "allreduce_bytes_per_step": payload / (steps + warmup) if variant != "torch" else None,
+        "grad_bytes": result["grad_bytes"],
+    }

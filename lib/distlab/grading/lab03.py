@@ -1,0 +1,448 @@
+"""Lab 03 — DDP from scratch. Checkers run the student's code on real gloo ranks.
+
+Every case trains a small GPT for a few SGD steps on 2-4 ranks (each rank on its
+slice of the global batch, rank 0's weights broadcast to the others) and compares
+every rank's weights after every step with a single-process run on the full batch
+(:func:`distlab.data_parallel.reference_run`), to 1e-6. On a mismatch the message
+names the parameter, the step and the rank, and — since one plain SGD step moves a
+weight by ``-lr·grad`` — the factor between the student's update and the reference's,
+with the usual cause ("summed but not divided by world size?"). Communication is
+checked from distlab's comm log: all-reduce payload per step equals the gradient
+bytes exactly (every gradient once, a tied weight once, frozen weights never).
+
+Cases come from a fixed-seed generator (reproducible notebook output) over world
+sizes, seeds, model shapes, bucket sizes and accumulation steps a student cannot
+special-case. Collectives time out after a few seconds so a deadlock fails fast.
+An untouched stub's ``NotImplementedError`` (raised inside a rank) propagates and
+is reported as "not attempted".
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from dataclasses import dataclass, field
+
+import torch
+import torch.distributed as dist
+
+from distlab.data_parallel import (OverlappedDDP, assign_buckets, build_model, gradient_bytes, local_batches,
+                                   reference_run, train_step)
+from distlab.grading import CheckFailed
+from distlab.grading.registry import Exercise
+from distlab.model import GPTConfig
+from distlab.reference import make_optimizer
+
+_SEED = 3_2024
+STEPS = 3
+ATOL = 1e-6
+COLLECTIVE_TIMEOUT = 3.0
+JOB_TIMEOUT = 30.0
+
+__all__ = ["EXERCISES", "Case", "compare_with_reference", "describe_factor", "check_naive_ddp",
+           "check_bucketed_ddp", "check_overlapped_ddp", "check_gradient_accumulation"]
+
+
+@dataclass
+class Case:
+    world_size: int
+    seed: int
+    data_seed: int
+    cfg: GPTConfig
+    model: str = "gpt"  # "gpt" or "edge" (frozen, unused and sometimes-unused parameters)
+    rows: int = 2  # rows per rank and micro-step
+    accum: int = 1
+    bucket_cap_bytes: int = 25 * 2**20
+    lr: float = 0.1
+    steps: int = STEPS
+    extra: dict = field(default_factory=dict)
+
+    @property
+    def batch(self) -> int:
+        return self.world_size * self.accum * self.rows
+
+    def __str__(self) -> str:
+        what = {"gpt": "GPT" + (" (tied embeddings)" if self.cfg.tied_embeddings else ""),
+                "edge": "GPT with frozen/unused parameters"}[self.model]
+        bits = [f"world_size={self.world_size}", what]
+        if self.accum > 1:
+            bits.append(f"{self.accum} micro-steps")
+        return ", ".join(bits)
+
+
+def _random_cfg(rng: random.Random) -> GPTConfig:
+    n_head = rng.choice([2, 4])
+    return GPTConfig(vocab_size=rng.choice([64, 96, 128]), seq_len=rng.choice([16, 24, 32]),
+                     n_layer=rng.randint(1, 2), n_head=n_head, d_model=n_head * rng.choice([8, 12, 16]),
+                     tied_embeddings=rng.random() < 0.7)
+
+
+def _case(rng: random.Random, model: str = "gpt", tied: bool | None = None, **overrides) -> Case:
+    cfg = _random_cfg(rng)
+    if tied is not None:
+        cfg.tied_embeddings = tied
+    case = Case(world_size=rng.randint(2, 4), seed=rng.randrange(10_000), data_seed=rng.randrange(10_000),
+                cfg=cfg, model=model, rows=rng.choice([1, 2]))
+    for key, value in overrides.items():
+        setattr(case, key, value)
+    return case
+
+
+# ---------------------------------------------------------------- running on ranks
+
+def _state(module) -> dict[str, torch.Tensor]:
+    return {name: t.detach().clone() for name, t in module.state_dict().items()}
+
+
+def _rank_seed(case: Case, rank: int) -> int:
+    return case.seed if rank == 0 else case.seed + 1000 * rank + 1  # != rank 0: the broadcast must happen
+
+
+def _worker_functions(broadcast_fn, allreduce_fn, case: Case) -> dict:
+    """3.1 on a rank: broadcast, then SGD steps with the student's gradient all-reduce."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    module = build_model(case.model, case.cfg, seed=_rank_seed(case, rank))
+    broadcast_fn(module)
+    out = {"initial": _state(module), "states": []}
+    opt = make_optimizer(module.parameters(), "sgd", lr=case.lr)
+    for step in range(case.steps):
+        (x, y), = local_batches(case.cfg, case.batch, step, rank, world, 1, case.data_seed)
+        opt.zero_grad(set_to_none=True)
+        _, loss = module(x, y)
+        loss.backward()
+        allreduce_fn(module)
+        opt.step()
+        out["states"].append(_state(module))
+    return out
+
+
+def _worker_buckets(assign_fn, allreduce_buckets_fn, case: Case) -> dict:
+    """3.2 on a rank: the reference broadcast, the student's buckets and bucketed all-reduce."""
+    from distlab.data_parallel import broadcast_parameters
+
+    rank, world = dist.get_rank(), dist.get_world_size()
+    module = build_model(case.model, case.cfg, seed=_rank_seed(case, rank))
+    broadcast_parameters(module)
+    buckets = assign_fn(list(module.parameters()), case.bucket_cap_bytes)
+    out = {"initial": _state(module), "states": []}
+    opt = make_optimizer(module.parameters(), "sgd", lr=case.lr)
+    for step in range(case.steps):
+        (x, y), = local_batches(case.cfg, case.batch, step, rank, world, 1, case.data_seed)
+        opt.zero_grad(set_to_none=True)
+        _, loss = module(x, y)
+        loss.backward()
+        allreduce_buckets_fn(buckets)
+        opt.step()
+        out["states"].append(_state(module))
+    return out
+
+
+def _worker_ddp(ddp_factory, step_fn, case: Case) -> dict:
+    """3.3/3.4 on a rank: a DDP class driven by a step function over ``accum`` micro-batches."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    module = build_model(case.model, case.cfg, seed=_rank_seed(case, rank))
+    ddp = ddp_factory(module, case.bucket_cap_bytes)
+    out = {"initial": _state(module), "states": []}
+    opt = make_optimizer(module.parameters(), "sgd", lr=case.lr)
+    for step in range(case.steps):
+        micro = local_batches(case.cfg, case.batch, step, rank, world, case.accum, case.data_seed)
+        opt.zero_grad(set_to_none=True)
+        step_fn(ddp, opt, micro)
+        out["states"].append(_state(module))
+    return out
+
+
+def _launch(worker, case: Case, *args):
+    import distlab
+    from distlab.launcher import CollectiveTimeout
+
+    try:
+        return distlab.launch(worker, case.world_size, args=(*args, case), warm=True, show_output=False, backend="gloo",
+                              collective_timeout=COLLECTIVE_TIMEOUT, timeout=JOB_TIMEOUT)
+    except CollectiveTimeout as error:
+        raise CheckFailed(
+            f"{case}: the ranks deadlocked ({str(error).splitlines()[0]}). Every rank must make the same "
+            f"collective calls in the same order: a parameter with no gradient on some rank (p.grad is None) "
+            f"still needs its all-reduce (with zeros), and buckets must be launched in bucket order") from None
+
+
+# ---------------------------------------------------------------- comparing with the reference
+
+def describe_factor(factor: float, world_size: int, accum: int = 1) -> str:
+    """Name the usual mistake behind a scaled update ('' when the factor is no telltale one)."""
+    def near(x: float, target: float) -> bool:
+        return abs(x - target) <= 0.02 * max(abs(target), 1e-3)
+
+    hints = []
+    if world_size > 1:
+        hints += [(world_size, "gradients summed but not divided by world size?"),
+                  (1 / world_size, "gradients divided by world size twice (or divided without summing)?")]
+    if accum > 1:
+        hints += [(accum, f"gradients of the {accum} micro-steps summed, but the loss not divided by {accum}?"),
+                  (world_size * accum, f"summed over ranks and micro-steps: divide by world size and by {accum}"),
+                  (1 / accum, f"loss divided by {accum} twice?")]
+    hints += [(0.0, "the parameter was not updated: its gradient was lost (not written back to p.grad, or zeroed)?"),
+              (-1.0, "the update has the wrong sign?")]
+    return " Or ".join(hint[0].upper() + hint[1:] if i else hint
+                       for i, hint in enumerate(h for target, h in hints if near(factor, target)))
+
+
+def _update_factor(got: torch.Tensor, ref: torch.Tensor, before: torch.Tensor) -> float | None:
+    """``got - before ≈ factor·(ref - before)``: the factor, when the update is a clean multiple."""
+    d_got = (got.double() - before.double()).flatten()
+    d_ref = (ref.double() - before.double()).flatten()
+    denom = float(d_ref @ d_ref)
+    if denom == 0.0:
+        return None
+    factor = float(d_got @ d_ref) / denom
+    residual = float((d_got - factor * d_ref).norm()) / math.sqrt(denom)
+    return factor if residual < 1e-2 else None
+
+
+def _worst(a: dict, b: dict) -> tuple[str, float]:
+    worst_name, worst = "", -1.0
+    for name in a:
+        diff = (a[name].double() - b[name].double()).abs().max().item() if a[name].numel() else 0.0
+        if diff > worst:
+            worst_name, worst = name, diff
+    return worst_name, worst
+
+
+def compare_with_reference(run, case: Case, reference: dict | None = None) -> dict:
+    """Raise :class:`CheckFailed` unless every rank's weights match the single-process run after
+    every step (1e-6); the message names rank, step, parameter and the factor of its update."""
+    ref = reference or reference_run(case.cfg, steps=case.steps, batch_size=case.batch, seed=case.seed,
+                                     data_seed=case.data_seed, optimizer="sgd", lr=case.lr, model=case.model,
+                                     keep_states=True)
+    names = list(ref["initial"])
+    for rank, out in enumerate(run):
+        if not isinstance(out, dict) or set(out.get("initial", {})) != set(names):
+            raise CheckFailed(f"{case}: rank {rank} returned an unexpected state_dict")
+        name, diff = _worst(out["initial"], ref["initial"])
+        if diff > 0:
+            frozen = " (requires_grad=False)" if _is_frozen(case, name) else ""
+            raise CheckFailed(
+                f"{case}: before training, rank {rank}'s {name}{frozen} differs from rank 0's initial weights "
+                f"by up to {diff:.3g}: broadcast every parameter (frozen ones too) from rank 0")
+    for step in range(case.steps):
+        for rank, out in enumerate(run):
+            got = out["states"][step]
+            name, diff = _worst(got, ref["states"][step])
+            if diff <= ATOL:
+                continue
+            before = ref["states"][step - 1] if step else ref["initial"]
+            factor = _update_factor(got[name], ref["states"][step][name], before[name])
+            if factor is not None:
+                hint = describe_factor(factor, case.world_size, case.accum)
+                how = f"by a factor of {factor:.2f}" + (f": {hint}" if hint else "")
+            else:
+                how = f"by up to {diff:.3g} (not a simple scaling of the update)"
+            other = ""
+            if rank == 0 and case.world_size > 1:
+                r1_name, r1_diff = _worst(run[1]["states"][step], got)
+                if r1_diff > ATOL:
+                    other = f"; the ranks also disagree with each other (rank 1's {r1_name} by {r1_diff:.3g})"
+            raise CheckFailed(f"{case}: after step {step + 1}, rank {rank}'s {name} differs from the reference "
+                              f"{how}{other}")
+    return ref
+
+
+def _is_frozen(case: Case, name: str) -> bool:
+    return case.model == "edge" and name.endswith("pos_emb.weight")
+
+
+def _grad_bytes(case: Case) -> int:
+    return gradient_bytes(build_model(case.model, case.cfg, seed=case.seed))
+
+
+def check_communication(run, case: Case, expected_calls: int | None = None) -> None:
+    """All-reduce payload per optimizer step = the gradient bytes; optionally the call count."""
+    grad = _grad_bytes(case)
+    for rank, log in enumerate(run.comm):
+        stats = log.ops.get("all_reduce")
+        payload = stats.payload_bytes / case.steps if stats else 0
+        calls = stats.calls / case.steps if stats else 0
+        if payload != grad:
+            raise CheckFailed(
+                f"{case}: rank {rank}'s all_reduce calls carried {payload:,.0f} bytes per step, but the "
+                f"gradients are {grad:,} bytes: all-reduce each gradient exactly once per optimizer step "
+                f"(a tied weight once, frozen parameters never" + (", not on every micro-step)" if
+                                                                  case.accum > 1 else ")"))
+        if expected_calls is not None and calls != expected_calls:
+            raise CheckFailed(f"{case}: rank {rank} made {calls:g} all_reduce calls per step, expected "
+                              f"{expected_calls} (one per bucket)")
+
+
+# ---------------------------------------------------------------- 3.1
+
+def check_naive_ddp(broadcast_parameters, allreduce_gradients) -> str:
+    """3.1: ``broadcast_parameters(model)`` and ``allreduce_gradients(model)`` (mean over ranks)."""
+    rng = random.Random(_SEED + 1)
+    cases = [_case(rng, "gpt", tied=True), _case(rng, "edge")]
+    for case in cases:
+        run = _launch(_worker_functions, case, broadcast_parameters, allreduce_gradients)
+        compare_with_reference(run, case)
+        check_communication(run, case)
+    return (f"{len(cases)} cases on {_sizes(cases)} ranks, tied/frozen/unused parameters: every rank equals "
+            f"the single-process run after {STEPS} steps, each gradient reduced once")
+
+
+def _sizes(cases) -> str:
+    sizes = sorted({c.world_size for c in cases})
+    return "/".join(map(str, sizes))
+
+
+# ---------------------------------------------------------------- 3.2
+
+def _names(model) -> dict[int, str]:
+    return {id(p): name for name, p in model.named_parameters()}
+
+
+def _check_bucket_assignment(assign_fn, rng: random.Random) -> int:
+    cases = 0
+    for model_kind, tied in (("gpt", True), ("gpt", False), ("edge", True)):
+        cfg = _random_cfg(rng)
+        cfg.tied_embeddings = tied
+        model = build_model(model_kind, cfg, seed=rng.randrange(1000))
+        names = _names(model)
+        total = sum(p.numel() * 4 for p in model.parameters() if p.requires_grad)
+        for cap in (rng.randint(256, 4096), rng.randint(total // 6, total // 2), 25 * 2**20):
+            params = list(model.parameters())
+            expected = assign_buckets(params, cap)
+            got = assign_fn(params, cap)
+            where = f"for the {'tied ' if tied and model_kind == 'gpt' else ''}" \
+                    f"{'GPT' if model_kind == 'gpt' else 'GPT with a frozen pos_emb'} and bucket_cap_bytes={cap}"
+            try:
+                got = [list(b) for b in got]
+            except TypeError:
+                raise CheckFailed(f"{where}: expected a list of buckets, each a list of parameters, "
+                                  f"got {type(got).__name__}") from None
+            flat = [p for b in got for p in b]
+            if not all(isinstance(p, torch.nn.Parameter) for p in flat):
+                raise CheckFailed(f"{where}: buckets must hold the model's parameters themselves")
+            seen: dict[int, int] = {}
+            for p in flat:
+                seen[id(p)] = seen.get(id(p), 0) + 1
+            for name, p in model.named_parameters():
+                count = seen.get(id(p), 0)
+                if not p.requires_grad and count:
+                    raise CheckFailed(f"{where}: {name} (requires_grad=False) is in a bucket: a frozen parameter "
+                                      f"has no gradient to reduce")
+                if p.requires_grad and count == 0:
+                    raise CheckFailed(f"{where}: {name} is in no bucket")
+                if count > 1:
+                    raise CheckFailed(f"{where}: {name} is in the buckets {count} times: a tied weight is one "
+                                      f"tensor and must be reduced once")
+            if flat != [p for b in expected for p in b]:
+                first = names[id(expected[0][0])]
+                got_first = names.get(id(flat[0]), "?")
+                raise CheckFailed(f"{where}: the first bucket should start with {first} (the last registered "
+                                  f"parameter, whose gradient backward produces first), got {got_first}: walk "
+                                  f"the parameters in reverse registration order")
+            if [len(b) for b in got] != [len(b) for b in expected]:
+                raise CheckFailed(
+                    f"{where}: expected {len(expected)} bucket(s) of {[len(b) for b in expected]} parameters, got "
+                    f"{[len(b) for b in got]}: add parameters to the open bucket and close it as soon as it holds "
+                    f"bucket_cap_bytes or more")
+            cases += 1
+    return cases
+
+
+def check_bucketed_ddp(assign_buckets_fn, allreduce_buckets_fn) -> str:
+    """3.2: ``assign_buckets(params, bucket_cap_bytes)`` and ``allreduce_buckets(buckets)``."""
+    rng = random.Random(_SEED + 2)
+    n_assign = _check_bucket_assignment(assign_buckets_fn, rng)
+    cases = [_case(rng, "gpt"), _case(rng, "edge")]
+    for case in cases:
+        total = _grad_bytes(case)
+        case.bucket_cap_bytes = rng.randint(total // 8, total // 3)
+        run = _launch(_worker_buckets, case, assign_buckets_fn, allreduce_buckets_fn)
+        compare_with_reference(run, case)
+        model = build_model(case.model, case.cfg, seed=case.seed)
+        check_communication(run, case, expected_calls=len(assign_buckets(list(model.parameters()),
+                                                                         case.bucket_cap_bytes)))
+    return (f"{n_assign} bucket assignments; {len(cases)} training cases on {_sizes(cases)} ranks: one all-reduce "
+            f"per bucket, weights equal the single-process run")
+
+
+# ---------------------------------------------------------------- 3.3
+
+def _check_overlap(run, case: Case) -> None:
+    for rank in range(case.world_size):
+        spans = [s for s in run.spans if s.rank == rank]
+        backward = [s for s in spans if s.label == "backward"]
+        reduces = [s for s in spans if s.label == "all_reduce"]
+        overlapped = any(b.start <= r.start < b.end for b in backward for r in reduces)
+        if not overlapped:
+            raise CheckFailed(
+                f"{case}: on rank {rank} no bucket's all_reduce started before backward finished: launch it "
+                f"from the gradient hook as soon as its bucket is full, with async_op=True, and wait for the "
+                f"handles in finish_gradient_sync()")
+
+
+def check_overlapped_ddp(ddp_class) -> str:
+    """3.3: a DDP class ``ddp_class(module, bucket_cap_bytes)`` whose hooks launch async bucket all-reduces."""
+    rng = random.Random(_SEED + 3)
+    cases = [_case(rng, "gpt", tied=True), _case(rng, "edge")]
+    for case in cases:
+        total = _grad_bytes(case)
+        case.bucket_cap_bytes = rng.randint(total // 8, total // 4)  # at least 4 buckets
+        run = _launch(_worker_ddp, case, ddp_class, train_step)
+        compare_with_reference(run, case)
+        model = build_model(case.model, case.cfg, seed=case.seed)
+        check_communication(run, case, expected_calls=len(assign_buckets(list(model.parameters()),
+                                                                         case.bucket_cap_bytes)))
+        if case.model == "gpt":
+            _check_overlap(run, case)
+    return (f"{len(cases)} cases on {_sizes(cases)} ranks: all-reduces start during backward, buckets with "
+            f"missing gradients flushed, weights equal the single-process run")
+
+
+# ---------------------------------------------------------------- 3.4
+
+class _Flag:
+    def __init__(self):
+        self.require_backward_grad_sync = True
+
+
+def _check_no_sync_context(no_sync) -> None:
+    ddp = _Flag()
+    with no_sync(ddp):
+        if ddp.require_backward_grad_sync is not False:
+            raise CheckFailed("inside no_sync(ddp), ddp.require_backward_grad_sync should be False")
+    if ddp.require_backward_grad_sync is not True:
+        raise CheckFailed("after no_sync(ddp), ddp.require_backward_grad_sync should be True again")
+    try:
+        with no_sync(ddp):
+            raise KeyError("boom")
+    except KeyError:
+        pass
+    if ddp.require_backward_grad_sync is not True:
+        raise CheckFailed("after an exception inside no_sync(ddp), synchronisation must be switched back on "
+                          "(restore the flag in a finally block)")
+
+
+def check_gradient_accumulation(no_sync, train_accumulated) -> str:
+    """3.4: ``no_sync(ddp)`` context and ``train_accumulated(ddp, optimizer, micro_batches)``."""
+    _check_no_sync_context(no_sync)
+    rng = random.Random(_SEED + 4)
+    cases = [_case(rng, "gpt", rows=1), _case(rng, "edge", rows=1)]
+    for case in cases:  # accum != world size, so a wrong factor points at one cause
+        case.accum = rng.choice([a for a in (2, 3, 4) if a != case.world_size])
+        total = _grad_bytes(case)
+        case.bucket_cap_bytes = rng.randint(total // 6, total // 3)
+        run = _launch(_worker_ddp, case, OverlappedDDP, train_accumulated)
+        compare_with_reference(run, case)
+        model = build_model(case.model, case.cfg, seed=case.seed)
+        check_communication(run, case, expected_calls=len(assign_buckets(list(model.parameters()),
+                                                                         case.bucket_cap_bytes)))
+    return (f"{len(cases)} cases on {_sizes(cases)} ranks with {'/'.join(str(c.accum) for c in cases)} micro-steps: "
+            f"one big-batch step, communication on the last micro-step only")
+
+
+EXERCISES = [
+    Exercise("3.1", "naive DDP: broadcast and average gradients", 3, check_naive_ddp),
+    Exercise("3.2", "gradient buckets: one flat all-reduce per bucket", 3, check_bucketed_ddp),
+    Exercise("3.3", "overlap all-reduce with backward from gradient hooks", 4, check_overlapped_ddp),
+    Exercise("3.4", "gradient accumulation with no_sync", 2, check_gradient_accumulation),
+]
