@@ -5,6 +5,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from processes import rank_processes
 
 REPO = Path(__file__).resolve().parents[1]
@@ -12,6 +13,15 @@ SHARED = REPO.parent / "shared"
 
 if "TIKTOKEN_CACHE_DIR" not in os.environ and (SHARED / "tiktoken_cache").is_dir():
     os.environ["TIKTOKEN_CACHE_DIR"] = str(SHARED / "tiktoken_cache")
+
+
+@pytest.fixture
+def one_thread():
+    """Tiny ops run fastest on one thread, and stay fast on a loaded machine; restored afterwards."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(threads)
 
 
 @pytest.fixture

@@ -45,6 +45,16 @@ def _check_equal(run, ref, atol=1e-6):
 
 # ---------------------------------------------------------------- single process pieces
 
+
+@contextlib.contextmanager
+def no_sync(ddp):
+    """A student's answer to exercise 3.4's context manager."""
+    ddp.require_backward_grad_sync = False
+    try:
+        yield
+    finally:
+        ddp.require_backward_grad_sync = True
+
 def test_bucket_assignment_reverse_order_cap_and_ties():
     model = EdgeCaseGPT(CFG)
     params = list(model.parameters())
@@ -236,15 +246,6 @@ def test_checkers_pass_the_reference():
     assert "bucket" in lab03.check_bucketed_ddp(assign_buckets, allreduce_buckets)
     assert "cases" in lab03.check_overlapped_ddp(OverlappedDDP)
 
-    from contextlib import contextmanager
-
-    @contextmanager
-    def no_sync(ddp):
-        ddp.require_backward_grad_sync = False
-        try:
-            yield
-        finally:
-            ddp.require_backward_grad_sync = True
 
     assert "micro-steps" in lab03.check_gradient_accumulation(no_sync, reference_step)
     assert [e.id for e in lab03.EXERCISES] == ["3.1", "3.2", "3.3", "3.4"]
@@ -279,22 +280,13 @@ def test_checker_mistakes_are_explained():
     with pytest.raises(CheckFailed, match=r"requires_grad=False\) is in a bucket"):
         lab03.check_bucketed_ddp(with_frozen, allreduce_buckets)
 
-    from contextlib import contextmanager
-
-    @contextmanager
+    @contextlib.contextmanager
     def syncs_anyway(ddp):
         yield
 
     with pytest.raises(CheckFailed, match="inside no_sync"):
         lab03.check_gradient_accumulation(syncs_anyway, train_step)
 
-    @contextmanager
-    def no_sync(ddp):
-        ddp.require_backward_grad_sync = False
-        try:
-            yield
-        finally:
-            ddp.require_backward_grad_sync = True
 
     def sync_every_micro_step(ddp, optimizer, micro_batches):
         for x, y in micro_batches:

@@ -9,13 +9,7 @@ from distlab.memory import (GiB, PRESETS, ActivationMeter, activation_bytes_per_
 from distlab.model import GPT, GPTConfig, synthetic_batch
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny ops run fastest on one thread, and stay fast on a loaded machine; restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_tensor_bytes_counts_each_storage_once():

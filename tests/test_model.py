@@ -11,13 +11,7 @@ from distlab.reference import max_abs_diff, train_reference
 SMALL = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32)
 
 
-@pytest.fixture(autouse=True)
-def one_thread():
-    """Tiny ops run fastest on one thread, and stay fast on a loaded machine; restored afterwards."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(threads)
+pytestmark = pytest.mark.usefixtures("one_thread")
 
 
 def test_two_constructions_are_bit_identical_and_leave_global_rng_alone():

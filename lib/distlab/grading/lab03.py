@@ -98,11 +98,9 @@ def _rank_seed(case: Case, rank: int) -> int:
     return case.seed if rank == 0 else case.seed + 1000 * rank + 1  # != rank 0: the broadcast must happen
 
 
-def _worker_functions(broadcast_fn, allreduce_fn, case: Case) -> dict:
-    """3.1 on a rank: broadcast, then SGD steps with the student's gradient all-reduce."""
+def _train_with_sync(module, sync_gradients, case: Case) -> dict:
+    """SGD steps on this rank's slice of each global batch, gradients synchronised by ``sync_gradients()``."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    module = build_model(case.model, case.cfg, seed=_rank_seed(case, rank))
-    broadcast_fn(module)
     out = {"initial": _state(module), "states": []}
     opt = make_optimizer(module.parameters(), "sgd", lr=case.lr)
     for step in range(case.steps):
@@ -110,31 +108,27 @@ def _worker_functions(broadcast_fn, allreduce_fn, case: Case) -> dict:
         opt.zero_grad(set_to_none=True)
         _, loss = module(x, y)
         loss.backward()
-        allreduce_fn(module)
+        sync_gradients()
         opt.step()
         out["states"].append(_state(module))
     return out
+
+
+def _worker_functions(broadcast_fn, allreduce_fn, case: Case) -> dict:
+    """3.1 on a rank: the student's broadcast, then SGD steps with the student's gradient all-reduce."""
+    module = build_model(case.model, case.cfg, seed=_rank_seed(case, dist.get_rank()))
+    broadcast_fn(module)
+    return _train_with_sync(module, lambda: allreduce_fn(module), case)
 
 
 def _worker_buckets(assign_fn, allreduce_buckets_fn, case: Case) -> dict:
     """3.2 on a rank: the reference broadcast, the student's buckets and bucketed all-reduce."""
     from distlab.data_parallel import broadcast_parameters
 
-    rank, world = dist.get_rank(), dist.get_world_size()
-    module = build_model(case.model, case.cfg, seed=_rank_seed(case, rank))
+    module = build_model(case.model, case.cfg, seed=_rank_seed(case, dist.get_rank()))
     broadcast_parameters(module)
     buckets = assign_fn(list(module.parameters()), case.bucket_cap_bytes)
-    out = {"initial": _state(module), "states": []}
-    opt = make_optimizer(module.parameters(), "sgd", lr=case.lr)
-    for step in range(case.steps):
-        (x, y), = local_batches(case.cfg, case.batch, step, rank, world, 1, case.data_seed)
-        opt.zero_grad(set_to_none=True)
-        _, loss = module(x, y)
-        loss.backward()
-        allreduce_buckets_fn(buckets)
-        opt.step()
-        out["states"].append(_state(module))
-    return out
+    return _train_with_sync(module, lambda: allreduce_buckets_fn(buckets), case)
 
 
 def _worker_ddp(ddp_factory, step_fn, case: Case) -> dict:
