@@ -186,7 +186,6 @@ class _RankGroup:
         self.workdir = tempfile.mkdtemp(prefix="distlab-")
         self.status = ctx.RawArray("d", 2 * world_size)
         self.conns, self.procs = [], []
-        self.ready = [False] * world_size
         lifeline_end, self.lifeline = ctx.Pipe(duplex=False)
         try:
             self._start_ranks(ctx, lifeline_end, threads or default_threads(world_size))
@@ -201,8 +200,7 @@ class _RankGroup:
             spec = rank_module.RankSpec(
                 rank=r, world_size=self.world_size, backend=self.backend, store_port=self.store.port,
                 collective_timeout=self.collective_timeout, threads=threads,
-                stdout_path=os.path.join(self.workdir, f"rank{r}.out"),
-                stderr_path=os.path.join(self.workdir, f"rank{r}.err"),
+                stdout_path=self._output_path(r, "out"), stderr_path=self._output_path(r, "err"),
             )
             parent_end, child_end = ctx.Pipe()
             proc = ctx.Process(target=rank_module.main, args=(spec, child_end, lifeline_end, self.status),
@@ -220,8 +218,7 @@ class _RankGroup:
     def run(self, fn: Callable, args: tuple, kwargs: dict, timeout: float | None) -> Run:
         __tracebackhide__ = True  # IPython: show the rank's traceback, not the launcher's frames
         payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs)))
-        for r in range(self.world_size):
-            self._read_output(r, clear=True)
+        self._clear_output()
         start = time.perf_counter()
         job = (payload, start, os.getcwd(), list(sys.path))
         for conn in self.conns:
@@ -230,7 +227,7 @@ class _RankGroup:
         wall = time.perf_counter() - start
         stdout = [self._read_output(r) for r in range(self.world_size)]
         stderr = [self._read_output(r, stream="err") for r in range(self.world_size)]
-        if outcome is not None and isinstance(outcome, LaunchError):
+        if isinstance(outcome, LaunchError):
             self.close()
             _print_rank_output(stdout, stderr)
             raise outcome
@@ -261,7 +258,7 @@ class _RankGroup:
                         crashed[r] = self._exitcode(r)
                         pending.discard(r)
                     elif message[0] == "ready":
-                        self.ready[r] = True
+                        pass  # joined the process group; its job is already queued
                     elif message[0] == "ok":
                         values[r] = cloudpickle.loads(message[1])
                         comm_logs[r].ops.update(message[2])
@@ -392,16 +389,19 @@ class _RankGroup:
         self.procs[r].join(timeout=1.0)
         return self.procs[r].exitcode
 
-    def _read_output(self, r: int, stream: str = "out", clear: bool = False) -> str:
-        path = os.path.join(self.workdir, f"rank{r}.{stream}")
-        if clear:
-            for suffix in ("out", "err"):
-                p = os.path.join(self.workdir, f"rank{r}.{suffix}")
-                if os.path.exists(p):
-                    os.truncate(p, 0)
-            return ""
+    def _output_path(self, r: int, stream: str) -> str:
+        return os.path.join(self.workdir, f"rank{r}.{stream}")
+
+    def _clear_output(self) -> None:
+        """Empty every rank's capture files before a job (ranks append, so they continue at 0)."""
+        for r in range(self.world_size):
+            for stream in ("out", "err"):
+                if os.path.exists(self._output_path(r, stream)):
+                    os.truncate(self._output_path(r, stream), 0)
+
+    def _read_output(self, r: int, stream: str = "out") -> str:
         try:
-            with open(path, encoding="utf-8", errors="replace") as f:
+            with open(self._output_path(r, stream), encoding="utf-8", errors="replace") as f:
                 return f.read()
         except FileNotFoundError:
             return ""
