@@ -1,6 +1,7 @@
 """The launcher on real gloo ranks: results, output, accounting, and every way a launch can go wrong."""
 
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -82,7 +83,7 @@ def test_a_rank_that_raises_names_the_rank_and_shows_its_traceback():
     text = str(error)
     assert text.startswith("rank 2 raised ValueError: bad shard on rank two")
     assert "Traceback of rank 2" in text and 'raise ValueError("bad shard on rank two")' in text
-    assert "rank 0: waiting in all_reduce" in text or "rank 0: raised" in text
+    assert re.search(r"rank 0: (waiting in all_reduce|raised|still running)", text)  # whereabouts reported
     assert "distributed_c10d.py" not in text  # torch internals are summarised, not dumped
 
 
@@ -227,6 +228,7 @@ def test_interrupting_a_launch_stops_every_rank(tmp_path, when):
     """)
     proc = subprocess.Popen([sys.executable, "-c", script], stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert proc.stdout.readline().strip() == "launching"
+    time.sleep(0.3)  # inside launch(): ranks take over a second to start on this machine
     deadline = time.monotonic() + 30
     while when == "running" and len(list(tmp_path.glob("rank*"))) < 3 and time.monotonic() < deadline:
         time.sleep(0.05)
