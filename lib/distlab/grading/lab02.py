@@ -98,6 +98,13 @@ def _all_reduce_job(student_fn, shape, dtype, seed):
     return got, expected, ops, sent
 
 
+def _describe_case(n: int, shape, dtype) -> tuple[int, int, str]:
+    """Elements, bytes per element, and the words a failure message uses for this case."""
+    numel = math.prod(shape)
+    element = torch.tensor([], dtype=dtype).element_size()
+    return numel, element, f"world size {n}, {numel} {str(dtype).replace('torch.', '')} elements"
+
+
 def _check_all_reduce(student_fn, p2p: bool) -> int:
     rng = random.Random()
     cases = 0
@@ -107,9 +114,7 @@ def _check_all_reduce(student_fn, p2p: bool) -> int:
             for shape, dtype in _cases(rng, n):
                 run = run_job(ranks, _all_reduce_job, student_fn, shape, dtype, rng.randrange(10**6))
                 cases += 1
-                numel = math.prod(shape)
-                element = torch.tensor([], dtype=dtype).element_size()
-                what = f"world size {n}, {numel} {str(dtype).replace('torch.', '')} elements"
+                numel, element, what = _describe_case(n, shape, dtype)
                 if n > 2 and numel < n:
                     what += ", fewer elements than ranks"
                 for r, (got, expected, ops, sent) in enumerate(run):
@@ -157,9 +162,8 @@ def check_ring_all_gather(student_fn) -> str:
             for shape, dtype in _cases(rng, n):
                 run = run_job(ranks, _all_gather_job, student_fn, shape, dtype, rng.randrange(10**6))
                 cases += 1
-                numel = math.prod(shape)
-                element = torch.tensor([], dtype=dtype).element_size()
-                what = f"world size {n}, {numel} {str(dtype).replace('torch.', '')} elements per rank"
+                numel, element, what = _describe_case(n, shape, dtype)
+                what += " per rank"
                 for r, (got, expected, ops, sent) in enumerate(run):
                     if not isinstance(got, (list, tuple)) or len(got) != n:
                         kind = f"a {type(got).__name__}" + (f" of length {len(got)}"

@@ -342,6 +342,16 @@ def _check_bucket_assignment(assign_fn, rng: random.Random) -> int:
     return cases
 
 
+def _train_and_verify_buckets(worker, case: Case, *student_code):
+    """Run the student's bucketed DDP on the case: weights must equal the single-process run,
+    with one all-reduce per bucket of the reference bucket assignment."""
+    run = _launch(worker, case, *student_code)
+    compare_with_reference(run, case)
+    model = build_model(case.model, case.cfg, seed=case.seed)
+    check_communication(run, case, expected_calls=len(assign_buckets(list(model.parameters()), case.bucket_cap_bytes)))
+    return run
+
+
 def check_bucketed_ddp(assign_buckets_fn, allreduce_buckets_fn) -> str:
     """3.2: ``assign_buckets(params, bucket_cap_bytes)`` and ``allreduce_buckets(buckets)``."""
     rng = random.Random(_SEED + 2)
@@ -350,11 +360,7 @@ def check_bucketed_ddp(assign_buckets_fn, allreduce_buckets_fn) -> str:
     for case in cases:
         total = _grad_bytes(case)
         case.bucket_cap_bytes = rng.randint(total // 8, total // 3)
-        run = _launch(_worker_buckets, case, assign_buckets_fn, allreduce_buckets_fn)
-        compare_with_reference(run, case)
-        model = build_model(case.model, case.cfg, seed=case.seed)
-        check_communication(run, case, expected_calls=len(assign_buckets(list(model.parameters()),
-                                                                         case.bucket_cap_bytes)))
+        _train_and_verify_buckets(_worker_buckets, case, assign_buckets_fn, allreduce_buckets_fn)
     return (f"{n_assign} bucket assignments; {len(cases)} training cases on {_sizes(cases)} ranks: one all-reduce "
             f"per bucket, weights equal the single-process run")
 
@@ -381,11 +387,7 @@ def check_overlapped_ddp(ddp_class) -> str:
     for case in cases:
         total = _grad_bytes(case)
         case.bucket_cap_bytes = rng.randint(total // 8, total // 4)  # at least 4 buckets
-        run = _launch(_worker_ddp, case, ddp_class, train_step)
-        compare_with_reference(run, case)
-        model = build_model(case.model, case.cfg, seed=case.seed)
-        check_communication(run, case, expected_calls=len(assign_buckets(list(model.parameters()),
-                                                                         case.bucket_cap_bytes)))
+        run = _train_and_verify_buckets(_worker_ddp, case, ddp_class, train_step)
         if case.model == "gpt":
             _check_overlap(run, case)
     return (f"{len(cases)} cases on {_sizes(cases)} ranks: all-reduces start during backward, buckets with "
@@ -425,11 +427,7 @@ def check_gradient_accumulation(no_sync, train_accumulated) -> str:
         case.accum = rng.choice([a for a in (2, 3, 4) if a != case.world_size])
         total = _grad_bytes(case)
         case.bucket_cap_bytes = rng.randint(total // 6, total // 3)
-        run = _launch(_worker_ddp, case, OverlappedDDP, train_accumulated)
-        compare_with_reference(run, case)
-        model = build_model(case.model, case.cfg, seed=case.seed)
-        check_communication(run, case, expected_calls=len(assign_buckets(list(model.parameters()),
-                                                                         case.bucket_cap_bytes)))
+        _train_and_verify_buckets(_worker_ddp, case, OverlappedDDP, train_accumulated)
     return (f"{len(cases)} cases on {_sizes(cases)} ranks with {'/'.join(str(c.accum) for c in cases)} micro-steps: "
             f"one big-batch step, communication on the last micro-step only")
 
