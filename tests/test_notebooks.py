@@ -1,6 +1,7 @@
 """Solutions → labs, the check framework, and grading notebooks end to end."""
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -9,7 +10,7 @@ import nbformat
 import pytest
 
 import distlab.grading as grading
-from distlab.grading.registry import Exercise, all_exercises
+from distlab.grading.registry import Exercise, all_exercises, exercises_of_lab
 from distlab.notebooks import (NotebookError, build_labs, exercise_ids, grade_notebook, lab_number, make_lab,
                                strip_solutions)
 
@@ -37,6 +38,15 @@ def test_solution_blocks_become_stubs_at_their_indentation():
         "    return y\n"
         'raise NotImplementedError("Exercise 2.2: replace this line with your solution")\n'
     )
+
+
+def test_one_line_answers_are_blanked_and_nbval_markers_dropped():
+    nb = nbformat.v4.new_notebook()
+    nb.cells = [nbformat.v4.new_code_cell("# NBVAL_IGNORE_OUTPUT\nq4_1 = 1.5  # SOLUTION Q4.1\n"
+                                          "answers['b'] = 'c'   # SOLUTION Q4.2\ndistlab.check('Q4.1', q4_1)")]
+    assert exercise_ids(nb) == ["Q4.1", "Q4.2"]
+    assert make_lab(nb).cells[0].source == ("q4_1 = ...  # your answer\nanswers['b'] = ...  # your answer\n"
+                                            "distlab.check('Q4.1', q4_1)")
 
 
 def test_unbalanced_markers_are_an_error_not_a_leak():
@@ -111,14 +121,13 @@ def test_every_exercise_has_a_solution_block_and_a_passing_stored_check():
     assert exercises, "no exercises registered"
     for path in SOLUTIONS:
         nb = nbformat.read(path, as_version=4)
-        number = lab_number(path)
-        expected = sorted(i for i in exercises if int(i.split(".")[0]) == number)
+        expected = sorted(exercises_of_lab(lab_number(path)))
         assert sorted(set(exercise_ids(nb))) == expected, path.name  # an exercise may span several blocks
         outputs = "".join(o.get("text", "") for c in nb.cells if c.cell_type == "code" for o in c.outputs)
         for exercise_id in expected:
             e = exercises[exercise_id]
-            assert f"✓ Exercise {e.id} {e.title}: {e.points}/{e.points} points" in outputs, (path.name, e.id)
-        assert "✗ Exercise" not in outputs and "· Exercise" not in outputs
+            assert f"✓ {e.label} {e.title}: {e.points}/{e.points} points" in outputs, (path.name, e.id)
+        assert not re.search(r"^[✗·] (Exercise|Question) ", outputs, re.MULTILINE), path.name
 
 
 def _grade_cli(*args):

@@ -20,14 +20,21 @@ from pathlib import Path
 import nbformat
 
 from distlab.grading import REPORT_ENV, STUB_MESSAGE
-from distlab.grading.registry import all_exercises
+from distlab.grading.registry import exercises_of_lab, sort_key
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
 SOLUTION_BLOCK = re.compile(
     r"^(?P<indent>[ \t]*)# BEGIN SOLUTION (?P<id>\d+\.\d+)[^\n]*\n(?P<body>.*?)^[ \t]*# END SOLUTION[^\n]*(?:\n|\Z)",
     re.MULTILINE | re.DOTALL,
 )
-_MARKER = re.compile(r"#\s*(BEGIN|END) SOLUTION")
+# A one-line answer: ``q4_1 = 1.5  # SOLUTION Q4.1`` becomes ``q4_1 = ...  # your answer``.
+SOLUTION_LINE = re.compile(
+    r"^(?P<head>[ \t]*[\w.\[\]'\"]+[ \t]*=[ \t]*)(?P<value>[^\n]*?)[ \t]*#[ \t]*SOLUTION[ \t]+(?P<id>Q?\d+\.\d+)[ \t]*$",
+    re.MULTILINE,
+)
+_MARKER = re.compile(r"#\s*(BEGIN SOLUTION|END SOLUTION|SOLUTION\b)")
+# nbval's cell markers are test plumbing: solutions keep them, students never see them.
+_NBVAL_LINE = re.compile(r"^[ \t]*#[ \t]*NBVAL_[A-Z_]+[ \t]*\n?", re.MULTILINE)
 
 
 class NotebookError(ValueError):
@@ -43,6 +50,7 @@ def strip_solutions(source: str, where: str = "") -> str:
         return f'{match["indent"]}raise NotImplementedError("{message}")\n'
 
     stripped = SOLUTION_BLOCK.sub(stub, source)
+    stripped = SOLUTION_LINE.sub(lambda m: f"{m['head']}...  # your answer", stripped)
     leftover = _MARKER.search(stripped)
     if leftover:
         line = stripped[: leftover.start()].count("\n") + 1
@@ -55,15 +63,16 @@ def make_lab(solution: nbformat.NotebookNode, where: str = "") -> nbformat.Noteb
     for index, cell in enumerate(lab.cells):
         if cell.cell_type != "code":
             continue
-        cell.source = strip_solutions(cell.source, f"{where} cell {index}")
+        cell.source = _NBVAL_LINE.sub("", strip_solutions(cell.source, f"{where} cell {index}"))
         cell.outputs = []
         cell.execution_count = None
     return lab
 
 
 def exercise_ids(notebook: nbformat.NotebookNode) -> list[str]:
+    """Ids of every solution block and one-line answer, in notebook order."""
     return [m["id"] for cell in notebook.cells if cell.cell_type == "code"
-            for m in SOLUTION_BLOCK.finditer(cell.source)]
+            for pattern in (SOLUTION_BLOCK, SOLUTION_LINE) for m in pattern.finditer(cell.source)]
 
 
 def build_labs(solutions_dir: Path, labs_dir: Path, check_only: bool = False) -> list[Path]:
@@ -156,8 +165,8 @@ def grade_notebook(path: Path, cell_timeout: int = 600) -> NotebookGrade:
             result = json.loads(line)
             reported[result["id"]] = result  # the last check of an exercise counts
     number = lab_number(Path(path))
-    expected = {i: e for i, e in all_exercises().items() if number is not None and int(i.split(".")[0]) == number}
-    for exercise_id in sorted(set(expected) | set(reported), key=lambda i: tuple(map(int, i.split(".")))):
+    expected = exercises_of_lab(number) if number is not None else {}
+    for exercise_id in sorted(set(expected) | set(reported), key=sort_key):
         if exercise_id in reported:
             grade.exercises.append(reported[exercise_id])
         else:

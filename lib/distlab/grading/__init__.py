@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import os
+from contextlib import contextmanager
 from dataclasses import asdict, dataclass
 
 from distlab.grading.registry import Exercise, find_exercise
@@ -32,13 +33,14 @@ class CheckResult:
     points: int
     max_points: int
     detail: str
+    label: str = ""  # "Exercise 2.1" or "Question Q2.1"
 
     def _ipython_display_(self) -> None:
         """``check`` already printed the line; a bare call at the end of a cell shows nothing more."""
 
     def line(self) -> str:
         mark = {"passed": "✓", "failed": "✗", "not attempted": "·"}[self.status]
-        head = f"{mark} Exercise {self.id} {self.title}: {self.points}/{self.max_points} points"
+        head = f"{mark} {self.label or 'Exercise ' + self.id} {self.title}: {self.points}/{self.max_points} points"
         if self.status == "not attempted":
             return f"{head} (not attempted)"
         return f"{head} ({self.detail})" if self.detail else head
@@ -67,11 +69,31 @@ def check(exercise_id: str, *student_code, quiet: bool = False) -> CheckResult:
         else:
             status, points = "failed", 0
             detail = f"raised {type(error).__name__}: {_first_line(error)}"
-    result = CheckResult(exercise.id, exercise.title, status, points, exercise.points, detail)
+    result = CheckResult(exercise.id, exercise.title, status, points, exercise.points, detail, exercise.label)
     _record(result)
     if not quiet:
         print(result.line())
     return result
+
+
+@contextmanager
+def needs(*exercise_ids: str):
+    """Run a cell's measurement only once the exercises it uses are done.
+
+    A lab runs top to bottom with its stubs in place: inside ``with distlab.needs("2.1"):``
+    the ``NotImplementedError`` of an untouched stub (raised here or in a rank) becomes one
+    line, "· finish exercise 2.1 to see this", and the notebook carries on. Any other error
+    propagates. Keep everything that uses the exercise's results inside the block.
+    """
+    try:
+        yield
+    except BaseException as error:
+        if isinstance(error, KeyboardInterrupt) and not hasattr(error, "exc_type"):
+            raise
+        if not is_not_attempted(error):
+            raise
+        names = " and ".join(exercise_ids) if exercise_ids else "the exercises above"
+        print(f"· finish exercise {names} to see this")
 
 
 def _first_line(error: BaseException) -> str:
@@ -86,4 +108,4 @@ def _record(result: CheckResult) -> None:
             report.write(json.dumps(asdict(result)) + "\n")
 
 
-__all__ = ["CheckFailed", "CheckResult", "check", "is_not_attempted", "REPORT_ENV", "STUB_MESSAGE"]
+__all__ = ["CheckFailed", "CheckResult", "check", "needs", "is_not_attempted", "REPORT_ENV", "STUB_MESSAGE"]

@@ -1,44 +1,91 @@
-"""Where every exercise is listed: id, title, points and checker, one lab module each.
+"""Where every exercise and quiz question is listed: id, title, points and checker, one lab module each.
 
 Each ``distlab.grading.labNN`` module defines ``EXERCISES``, a list of
-:class:`Exercise`. This file only knows which lab modules exist.
+:class:`Exercise`. Lab modules are found by name (``lab00.py`` … ``lab12.py``),
+so adding a lab never edits a shared list.
+
+Ids: ``"2.1"`` is exercise 1 of lab 2; ``"Q2.1"`` is quiz question 1 of lab 2
+(see :mod:`distlab.grading.quiz`).
 """
 
 from __future__ import annotations
 
 import importlib
+import pkgutil
+import re
 from dataclasses import dataclass
+from functools import lru_cache
 from typing import Callable
 
-LAB_MODULES = ["lab00", "lab01", "lab02", "lab03", "lab10"]
+_LAB_MODULE = re.compile(r"lab\d\d$")
+_ID = re.compile(r"(?P<quiz>Q?)(?P<lab>\d+)\.(?P<k>\d+)$")
 
 
 @dataclass(frozen=True)
 class Exercise:
-    id: str  # "2.1": lab 2, exercise 1
+    id: str  # "2.1": lab 2, exercise 1; "Q2.1": lab 2, quiz question 1
     title: str
     points: int
     checker: Callable[..., str]  # returns a detail on success, raises CheckFailed on failure
 
+    def __post_init__(self) -> None:
+        if not _ID.match(self.id):
+            raise ValueError(f"exercise id {self.id!r} must look like '4.2' (exercise) or 'Q4.2' (quiz)")
 
+    @property
+    def lab(self) -> int:
+        return lab_of(self.id)
+
+    @property
+    def is_quiz(self) -> bool:
+        return self.id.startswith("Q")
+
+    @property
+    def label(self) -> str:
+        """How a result line names it: "Exercise 4.2" or "Question Q4.2"."""
+        return f"{'Question' if self.is_quiz else 'Exercise'} {self.id}"
+
+
+def lab_of(exercise_id: str) -> int:
+    match = _ID.match(exercise_id)
+    if not match:
+        raise ValueError(f"exercise id {exercise_id!r} must look like '4.2' or 'Q4.2'")
+    return int(match["lab"])
+
+
+def sort_key(exercise_id: str) -> tuple[int, int, int]:
+    """Lab order, exercises before quiz questions, then by number."""
+    match = _ID.match(exercise_id)
+    return int(match["lab"]), int(bool(match["quiz"])), int(match["k"])
+
+
+def lab_modules() -> list[str]:
+    """The names of the ``labNN`` checker modules in this package, in lab order."""
+    from distlab import grading
+
+    return sorted(m.name for m in pkgutil.iter_modules(grading.__path__) if _LAB_MODULE.match(m.name))
+
+
+@lru_cache(maxsize=1)
 def all_exercises() -> dict[str, Exercise]:
     table: dict[str, Exercise] = {}
-    for name in LAB_MODULES:
+    for name in lab_modules():
         module = importlib.import_module(f"distlab.grading.{name}")
         for exercise in module.EXERCISES:
             if exercise.id in table:
                 raise ValueError(f"exercise {exercise.id} is defined twice")
+            if exercise.lab != int(name[3:]):
+                raise ValueError(f"exercise {exercise.id} is listed in {name}; it belongs to lab {exercise.lab}")
             table[exercise.id] = exercise
-    return table
+    return dict(sorted(table.items(), key=lambda item: sort_key(item[0])))
+
+
+def exercises_of_lab(lab: int) -> dict[str, Exercise]:
+    return {i: e for i, e in all_exercises().items() if e.lab == lab}
 
 
 def find_exercise(exercise_id: str) -> Exercise:
     table = all_exercises()
     if exercise_id not in table:
-        known = ", ".join(sorted(table, key=_sort_key))
-        raise KeyError(f"no exercise {exercise_id!r}; known exercises: {known}")
+        raise KeyError(f"no exercise {exercise_id!r}; known exercises: {', '.join(table)}")
     return table[exercise_id]
-
-
-def _sort_key(exercise_id: str) -> tuple[int, ...]:
-    return tuple(int(part) for part in exercise_id.split("."))

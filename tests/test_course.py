@@ -1,0 +1,41 @@
+"""The course text agrees with the notebooks: every measured figure a chapter quotes is in a real output."""
+
+import re
+from pathlib import Path
+
+import nbformat
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+CHAPTERS = sorted((REPO / "course").glob("[0-9][0-9]_*.md"))
+OUTPUT_BLOCK = re.compile(r"^```output[^\n]*\n(?P<body>.*?)^```", re.MULTILINE | re.DOTALL)
+
+
+def _normalise(text: str) -> str:
+    return "\n".join(line.rstrip() for line in text.strip().splitlines())
+
+
+def _notebook_outputs(path: Path) -> str:
+    nb = nbformat.read(path, as_version=4)
+    texts = []
+    for cell in nb.cells:
+        for output in cell.get("outputs", []):
+            if "text" in output:
+                texts.append(output["text"])
+            elif "text/plain" in output.get("data", {}):
+                texts.append(output["data"]["text/plain"])
+    return _normalise("\n".join(texts))
+
+
+def _quotable_sources(chapter: Path) -> str:
+    sources = [_notebook_outputs(p) for p in (REPO / "solutions").glob(f"{chapter.name[:2]}_*.ipynb")]
+    sources += [_normalise(p.read_text(encoding="utf-8")) for p in (REPO / "benchmarks" / "results").glob("*.txt")]
+    return "\n".join(sources)
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda p: p.name)
+def test_quoted_outputs_appear_in_the_solution_notebook(chapter):
+    sources = _quotable_sources(chapter)
+    for match in OUTPUT_BLOCK.finditer(chapter.read_text(encoding="utf-8")):
+        block = _normalise(match["body"])
+        assert block in sources, f"{chapter.name}: this quoted output is not in the notebook any more:\n{block}"
