@@ -17,7 +17,9 @@ parameter from its owner: same idea, more bytes. With ``shard=Axis.single()`` th
 is a flat-master DDP optimizer (one all-reduce), and with both axes larger than one it is HSDP.
 
 This works for optimizers that act elementwise (SGD, Adam, AdamW, Adagrad…): a shard of a flat
-buffer is then as good as the whole tensor. Optimizers that need a whole matrix (Shampoo, LAMB's
+buffer is then as good as the whole tensor. One difference remains: a flat buffer is stepped whole,
+so a parameter that got no gradient this step on any rank is stepped with a zero gradient — with
+momentum or weight decay it still moves, where a per-parameter optimizer would skip it. Optimizers that need a whole matrix (Shampoo, LAMB's
 per-tensor trust ratio) need a per-tensor partition like ``ZeroRedundancyOptimizer``'s.
 """
 

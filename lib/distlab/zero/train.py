@@ -34,7 +34,8 @@ from distlab.zero.optim import ShardedOptimizer
 from distlab.zero.zero2 import ZeRO2
 
 __all__ = ["STAGES", "WRAP_POLICIES", "compute_dtype", "validate", "make_engine", "state_bytes", "full_state_dict",
-           "comm_snapshot", "comm_per_step", "peak_memory", "train_worker", "train"]
+           "comm_snapshot", "comm_per_step", "peak_memory", "train_worker", "train", "Unfinished", "stop_at_stub",
+           "raise_if_unfinished", "run_exercise"]
 
 STAGES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
 WRAP_POLICIES = {"block": (Block,), "model": ()}  # one unit per transformer block, or one for the whole model
@@ -267,7 +268,7 @@ def train_worker(stage: int = 3, impl: str = "scratch", cfg: GPTConfig | None = 
     rank from a different seed (the initial broadcast must happen); PyTorch's FSDP2 expects
     equal initial weights, so it gets rank 0's seed everywhere. ``dtype="bf16"``: mixed
     precision. ``measure_state``: bytes held after the last step's optimizer step (before
-    ``zero_grad``); ``measure_peak``: peak memory of the last step. ``comm``: per-step traffic.
+    ``zero_grad``); ``measure_peak``: peak memory of one more, untimed step. ``comm``: traffic per timed step.
     """
     _require_process_group()
     validate(dist.get_world_size(), stage, impl, cfg, batch_size, wrap, shard_size, dtype, model)
@@ -290,12 +291,14 @@ def train_worker(stage: int = 3, impl: str = "scratch", cfg: GPTConfig | None = 
                                sharded_optimizer=sharded_optimizer, reduce_fn=reduce_fn, unshard_fn=unshard_fn,
                                reshard_fn=reshard_fn)
     losses, times, held, peak = [], [], None, None
-    before = comm_snapshot()
-    for step in range(warmup + steps):
+    before = after = comm_snapshot()
+    total = warmup + steps + int(measure_peak)  # the peak is measured in one extra, untimed step
+    for step in range(total):
         (x, y), = local_batches(cfg, batch_size, step, rank, world, 1, data_seed)
         x, y = x.to(dev), y.to(dev)
+        last_timed = step == warmup + steps - 1
 
-        def one_step(last=step == warmup + steps - 1):
+        def one_step():
             nonlocal held
             with span("forward"):
                 _, loss = net(x, y)
@@ -303,24 +306,26 @@ def train_worker(stage: int = 3, impl: str = "scratch", cfg: GPTConfig | None = 
                 loss.backward()
             with span("optimizer"):
                 opt.step()
-            if last and measure_state:
+            if last_timed and measure_state:
                 held = state_bytes(module, opt)
             opt.zero_grad(set_to_none=True)
-            return loss
+            losses.append(loss.item())
 
         dist.barrier()
         start = time.perf_counter()
-        if measure_peak and step == warmup + steps - 1:
-            peak = peak_memory(lambda: losses.append(float(one_step())), module, getattr(opt, "optim", opt),
+        if step == total - 1 and measure_peak:
+            peak = peak_memory(one_step, module, getattr(opt, "optim", opt),
                                *[t for f in flat_params_of(module) for t in (f.local, f.master) if t is not None])
         else:
-            losses.append(float(one_step()))
+            one_step()
         dist.barrier()
-        if step >= warmup:
+        if warmup <= step < warmup + steps:
             times.append(time.perf_counter() - start)
         if step == warmup - 1:  # count the timed steps only
             before = comm_snapshot()
-    traffic = comm_per_step(before, comm_snapshot(), steps)
+        if last_timed:
+            after = comm_snapshot()
+    traffic = comm_per_step(before, after, steps)
     zero3 = net if isinstance(net, ZeRO3) else None
     return {
         "rank": rank, "stage": stage, "impl": impl, "world_size": world, "losses": losses, "step_times": times,
@@ -358,3 +363,35 @@ def train(steps: int = 20, stage: int = 3, impl: str = "scratch", batch_size: in
         "state_bytes": out["state_bytes"], "peak_memory": out["peak_memory"],
         "comm_bytes_per_step": {op: round(row["wire"]) for op, row in out["comm"].items()},
     }
+
+
+# ---------------------------------------------------------------- exercises on warm ranks
+
+class Unfinished(str):
+    """What a rank returns instead of raising when it reached an exercise's stub (the stub's message)."""
+
+
+def stop_at_stub(fn: Callable, *args, **kwargs):
+    """Run ``fn`` on this rank; an unfinished exercise's ``NotImplementedError`` comes back as :class:`Unfinished`.
+
+    A job that raises ends the launcher's warm group, and restarting ranks costs seconds; every rank
+    reaches the same stub at the same point, before any collective, so returning is safe.
+    """
+    try:
+        return fn(*args, **kwargs)
+    except NotImplementedError as error:
+        return Unfinished(str(error))
+
+
+def raise_if_unfinished(run):
+    """Raise the stub's ``NotImplementedError`` in the notebook if a rank stopped at one; else return ``run``."""
+    stopped = [value for value in run if isinstance(value, Unfinished)]
+    if stopped:
+        raise NotImplementedError(stopped[0])
+    return run
+
+
+def run_exercise(ranks, **kwargs):
+    """``ranks.run(train_worker, kwargs=kwargs)`` for a run that includes an exercise's answer: an unfinished
+    exercise raises ``NotImplementedError`` here (``distlab.needs`` turns it into one line) and the ranks stay up."""
+    return raise_if_unfinished(ranks.run(stop_at_stub, args=(train_worker,), kwargs=kwargs))
