@@ -241,7 +241,7 @@ def test_train_entry_point_and_bad_input_inside_ranks(ranks):
 # ---------------------------------------------------------------- checkers
 
 class ShardedSGD:
-    """A student's ZeRO-1 (the notebook's answer) for the checker tests."""
+    """A student's ZeRO-1 (the notebook's answer) for the checker tests; subclasses make the usual mistakes."""
 
     def __init__(self, params, optimizer_class, **defaults):
         self.world, self.rank = dist.get_world_size(), dist.get_rank()
@@ -250,13 +250,16 @@ class ShardedSGD:
         for group in groups if isinstance(groups[0], dict) else [{"params": groups}]:
             self.add_param_group(group)
 
+    def shards(self):
+        return self.world
+
     def add_param_group(self, group):
         params = [p for p in group["params"] if p.requires_grad]
-        layout = FlatLayout(params, self.world)
+        layout = FlatLayout(params, self.shards())
         flat = layout.flatten([p.detach() for p in params])
         for p, view in zip(params, layout.views(flat)):
             p.data = view
-        shard = layout.shard(flat, self.rank)
+        shard = layout.shard(flat, self.rank % self.shards())
         options = dict({k: v for k, v in group.items() if k != "params"}, params=[shard])
         if self.optim is None:
             self.optim = self.optimizer_class([options], **self.defaults)
@@ -299,25 +302,17 @@ class SummedSGD(ShardedSGD):
 
 
 class ReplicatedStateSGD(ShardedSGD):
-    def add_param_group(self, group):  # every rank steps everything: no sharding of the state
-        params = [p for p in group["params"] if p.requires_grad]
-        layout = FlatLayout(params, 1)
-        flat = layout.flatten([p.detach() for p in params])
-        for p, view in zip(params, layout.views(flat)):
-            p.data = view
-        options = dict({k: v for k, v in group.items() if k != "params"}, params=[flat])
-        if self.optim is None:
-            self.optim = self.optimizer_class([options], **self.defaults)
-        else:
-            self.optim.add_param_group(options)
-        self.flats.append((layout, flat, flat))
+    """Every rank steps everything: DDP with a flat buffer, no sharding of the state."""
 
-    def step(self):
-        for layout, flat, _ in self.flats:
-            grads = layout.flatten([p.grad for p in layout.params])
-            dist.all_reduce(grads)
-            flat.grad = grads / self.world
-        self.optim.step()
+    def shards(self):
+        return 1
+
+    def average(self, grads):
+        dist.all_reduce(grads)
+        return grads / self.world
+
+    def gather(self, flat, shard):
+        pass
 
 
 @torch.no_grad()

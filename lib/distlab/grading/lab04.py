@@ -482,7 +482,7 @@ QUESTIONS = [
                 hint="look at the bytes per axis in 'HSDP: shard inside a node, replicate across nodes'"),
     quiz.number("Q4.7", "FLOPs of a step with full activation checkpointing, relative to without", answer=4 / 3,
                 rel_tol=0.03, hint="forward costs 1, backward 2, and checkpointing adds one forward "
-                                   "('Activation checkpointing')"),
+                                   "('Exercise 4.5 — activation checkpointing')"),
     quiz.number("Q4.8", "factor by which ZeRO-3 on 8 ranks cuts model-state bytes per rank vs DDP", answer=8,
                 rel_tol=0.01, hint="16 bytes against 16/N ('Memory per rank: measured against the formulas')"),
 ]

@@ -239,10 +239,6 @@ class FlatParam:
     def gathered(self) -> bool:
         return self.full.untyped_storage().nbytes() > 0
 
-    @property
-    def trainable_numel(self) -> int:
-        return self.layout.numel if self.requires_grad else 0
-
     def optimizer_param(self) -> torch.Tensor:
         """The tensor the optimizer updates: the fp32 master shard, or the shard itself."""
         return self.master if self.master is not None else self.local

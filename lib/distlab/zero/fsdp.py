@@ -173,10 +173,9 @@ class ZeRO3(nn.Module):
         self.reduce_fn = reduce_fn or reduce_scatter_grads
         self.prefetch, self.trace = prefetch, trace
         self._in_backward = False
-        self._hooks = []
         for unit in self.units:
-            self._hooks.append(unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit)))
-            self._hooks.append(unit.module.register_forward_hook(functools.partial(self._post_forward, unit)))
+            unit.module.register_forward_pre_hook(functools.partial(self._pre_forward, unit))
+            unit.module.register_forward_hook(functools.partial(self._post_forward, unit))
         self.peak_param_bytes = 0
         self._track()
 
@@ -289,11 +288,6 @@ class ZeRO3(nn.Module):
         for unit in self.units:
             unit.backward_started = unit.reduced = False
         self._in_backward = False
-
-    def remove_hooks(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
 
 
 # ---------------------------------------------------------------- activation checkpointing

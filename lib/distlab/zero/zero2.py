@@ -72,7 +72,8 @@ class ZeRO2(nn.Module):
                     p.data = p.data.to(dtype)
         self.reduce_fn = reduce_fn or reduce_scatter_grads
         self._where = {p: b for b, flat in enumerate(self.buckets) for p in flat.params}
-        self._hooks = [p.register_post_accumulate_grad_hook(self._grad_ready) for p in self._where]
+        for p in self._where:
+            p.register_post_accumulate_grad_hook(self._grad_ready)
         self._reset()
 
     def _reset(self) -> None:
@@ -106,8 +107,3 @@ class ZeRO2(nn.Module):
     def _finish_backward(self) -> None:
         self._reduce_ready(flush=True)  # a bucket with a parameter that got no gradient still joins
         self._reset()
-
-    def remove_hooks(self) -> None:
-        for handle in self._hooks:
-            handle.remove()
-        self._hooks = []
