@@ -37,7 +37,8 @@ from distlab.zero import train, train_worker
 
 TIME_TARGET = 1.3
 MEMORY_TARGET = 0.10
-VARIANTS = {"zero3": dict(stage=3), "zero3+prefetch": dict(stage=3, prefetch=True), "fsdp2": dict(stage=3, impl="torch")}
+VARIANTS = {"zero3": dict(stage=3), "zero3+prefetch": dict(stage=3, prefetch=True),
+            "fsdp2": dict(stage=3, impl="torch")}
 
 
 def parse(argv=None):

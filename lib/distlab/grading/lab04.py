@@ -220,7 +220,7 @@ def _zero1_worker(optimizer_class, case: Case) -> dict:
 
 
 def check_sharded_optimizer(optimizer_class) -> str:
-    """4.1: ``ShardedOptimizer(params, optimizer_class, **defaults)`` with ``step``, ``zero_grad``, ``add_param_group``."""
+    """4.1: ``ShardedOptimizer(params, optimizer_class, **defaults)``: ``step``, ``zero_grad``, ``add_param_group``."""
     rng = random.Random(_SEED + 1)
     cases = [_case(rng, "gpt", world_size=4), _case(rng, "edge", world_size=2)]
     for case in cases:
@@ -228,7 +228,8 @@ def check_sharded_optimizer(optimizer_class) -> str:
         compare_with_reference(run, case, reference=_momentum_reference(case))
         if run[0]["inner"] != 1:
             raise CheckFailed(f"{case}: found {run[0]['inner']} torch optimizers among the attributes of your "
-                              f"ShardedOptimizer; keep exactly one (all groups' shards in it) so its state can be measured")
+                              f"ShardedOptimizer; keep exactly one (all groups' shards in it) so its state can be "
+                              f"measured")
         full = 4 * sum(p.numel() for p in build_model(case.model, case.cfg).parameters() if p.requires_grad)
         share = run[0]["state_bytes"] / full
         if share > 1.05 / case.world_size + 0.01:
@@ -379,7 +380,8 @@ def check_mixed_precision(step_fn) -> str:
                     raise CheckFailed(f"{where}: the bf16 compute copy is not the master rounded to bf16 (off by "
                                       f"{(p.float() - m).abs().max().item():.3g}): copy the masters back into the "
                                       f"compute copies after the step")
-    return "SGD and AdamW, 12 steps each: fp32 masters accumulate updates below bf16's resolution, compute copies follow"
+    return ("SGD and AdamW, 12 steps each: fp32 masters accumulate updates below bf16's resolution, compute copies "
+            "follow")
 
 
 # ---------------------------------------------------------------- 4.5 activation checkpointing
@@ -454,7 +456,8 @@ def check_checkpointing(checkpointed) -> str:
                               f"recomputation must give the same numbers")
         if b_mine >= b_plain:
             raise CheckFailed(f"{what}: {b_mine:,} bytes saved for backward, as many as without checkpointing: run "
-                              f"the module's forward through torch.utils.checkpoint.checkpoint(…, use_reentrant=False)")
+                              f"the module's forward through torch.utils.checkpoint.checkpoint(…, "
+                              f"use_reentrant=False)")
         if b_mine > 1.02 * b_lib:
             raise CheckFailed(f"{what}: {b_mine:,} bytes saved for backward; checkpointing each module should keep "
                               f"only its inputs ({b_lib:,} bytes)")

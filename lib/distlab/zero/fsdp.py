@@ -145,7 +145,7 @@ def _tensors(obj) -> list[torch.Tensor]:
 # ---------------------------------------------------------------- the wrapper
 
 class ZeRO3(nn.Module):
-    """ZeRO-3 / FSDP around ``module``: ``model = ZeRO3(gpt, wrap=(Block,)); opt = model.optimizer(torch.optim.AdamW, lr=…)``.
+    """ZeRO-3 / FSDP around ``module``: ``model = ZeRO3(gpt, wrap=(Block,))``, ``opt = model.optimizer(AdamW, lr=…)``.
 
     ``wrap``: module classes that become units (``()``: one unit, the whole model).
     ``dtype=torch.bfloat16``: mixed precision (bf16 shards gathered in bf16, fp32 masters,
@@ -168,7 +168,8 @@ class ZeRO3(nn.Module):
             broadcast_parameters(module)
         shard, replicate = shard or Axis.world(), replicate or Axis.single()
         owned = assign_params(module, [name for name, _ in plan])
-        self.units = [FSDPUnit(i, name, m, ps, shard, replicate, dtype) for i, ((name, m), ps) in enumerate(zip(plan, owned))]
+        self.units = [FSDPUnit(i, name, m, ps, shard, replicate, dtype)
+                      for i, ((name, m), ps) in enumerate(zip(plan, owned))]
         self.unshard_fn, self.reshard_fn = unshard_fn or unshard, reshard_fn or reshard
         self.reduce_fn = reduce_fn or reduce_scatter_grads
         self.prefetch, self.trace = prefetch, trace

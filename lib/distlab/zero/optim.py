@@ -19,8 +19,9 @@ is a flat-master DDP optimizer (one all-reduce), and with both axes larger than 
 This works for optimizers that act elementwise (SGD, Adam, AdamW, Adagrad…): a shard of a flat
 buffer is then as good as the whole tensor. One difference remains: a flat buffer is stepped whole,
 so a parameter that got no gradient this step on any rank is stepped with a zero gradient — with
-momentum or weight decay it still moves, where a per-parameter optimizer would skip it. Optimizers that need a whole matrix (Shampoo, LAMB's
-per-tensor trust ratio) need a per-tensor partition like ``ZeroRedundancyOptimizer``'s.
+momentum or weight decay it still moves, where a per-parameter optimizer would skip it. Optimizers
+that need a whole matrix (Shampoo, LAMB's per-tensor trust ratio) need a per-tensor partition like
+``ZeroRedundancyOptimizer``'s.
 """
 
 from __future__ import annotations
@@ -52,7 +53,8 @@ class ShardedOptimizer:
                  shard: Axis | None = None, replicate: Axis | None = None, dtype: torch.dtype | None = None,
                  **defaults):
         if not dist.is_initialized():
-            raise RuntimeError("ShardedOptimizer needs torch.distributed: run it inside distlab.launch/Ranks or torchrun")
+            raise RuntimeError("ShardedOptimizer needs torch.distributed: run it inside distlab.launch/Ranks or "
+                               "torchrun")
         self.optimizer_class, self.defaults = optimizer_class, defaults
         self.shard_axis, self.replicate_axis = shard or Axis.world(), replicate or Axis.single()
         self.dtype = dtype
