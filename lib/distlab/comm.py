@@ -146,6 +146,7 @@ _recorder = _Recorder()
 _log = CommLog()
 _clock_origin = 0.0
 _status_hook: Callable[[str | None, int], None] = lambda op, peer=-1: None
+_inflight_hook: Callable[[int], None] = lambda peer: None
 _unfinished: dict[int, "_TrackedWork"] = {}
 _board = None  # shared fingerprint board: 4 doubles per rank (sequence, op, size, dtype)
 _board_rank = 0
@@ -162,12 +163,20 @@ def reset(rank: int, clock_origin: float) -> None:
     _log = CommLog(rank=rank)
     _clock_origin = clock_origin
     _unfinished.clear()
+    _inflight_hook(-1)
 
 
-def set_status_hook(hook: Callable[[str | None, int], None]) -> None:
-    """The launcher's watchdog learns which op (and peer) a rank is blocked in through this hook."""
-    global _status_hook
+def set_status_hook(hook: Callable[[str | None, int], None], inflight: Callable[[int], None] | None = None) -> None:
+    """The launcher's watchdog learns which op (and peer) a rank is blocked in through ``hook``, and
+    to which peer its oldest unfinished isend goes (-1: none) through ``inflight``."""
+    global _status_hook, _inflight_hook
     _status_hook = hook
+    if inflight is not None:
+        _inflight_hook = inflight
+
+
+def _publish_inflight() -> None:
+    _inflight_hook(next((work.peer for work in list(_unfinished.values()) if work.op == "isend"), -1))
 
 
 def set_fingerprint_board(board, rank: int) -> None:
@@ -289,8 +298,8 @@ class _TrackedWork:
 
     def _done(self, *_) -> None:
         _finish_event(self._log, self._index)
-        if self._log is _log:
-            _unfinished.pop(self._index, None)
+        if self._log is _log and _unfinished.pop(self._index, None) is not None and self._op == "isend":
+            _publish_inflight()
 
     def __getattr__(self, name):
         return getattr(self._work, name)
@@ -367,6 +376,8 @@ def _wrap(op: str, real: Callable) -> Callable:
             return work
         tracked = _TrackedWork(work, op, index, peer)
         _unfinished[index] = tracked
+        if op == "isend":
+            _publish_inflight()
         try:  # stamp the true completion time, so overlap shows on the timeline
             work.get_future().add_done_callback(tracked._done)
         except RuntimeError:

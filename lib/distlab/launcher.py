@@ -19,6 +19,12 @@ Every outcome ends the same way: all ranks accounted for, none left behind.
   always completes.
 * A failure is reported by its root cause: a rank that raised, crashed or timed
   out, not a peer that merely saw the connection drop.
+* Hangs are judged by the parent, which sees every rank: when all running ranks
+  have sat blocked in communication for ``collective_timeout`` with none left
+  computing, that is a deadlock (or a mismatched or missing call) and the launch
+  ends, naming each rank's op, peer and line. A rank waiting for a peer that is
+  still computing is not deadlocked: it waits (up to :data:`SLOW_RANK_PATIENCE`),
+  so a slow step on a loaded laptop never fails a correct program.
 """
 
 from __future__ import annotations
@@ -48,8 +54,9 @@ from distlab import reaper
 from distlab.comm import CommLog
 from distlab.timeline import Span
 
-DEFAULT_COLLECTIVE_TIMEOUT = 10.0  # seconds a rank may wait in one collective (torch's own default: 30 min)
-WATCHDOG_GRACE = 3.0  # extra seconds before the parent kills a rank its backend did not time out
+DEFAULT_COLLECTIVE_TIMEOUT = 10.0  # seconds all running ranks may sit blocked in communication (a deadlock)
+SLOW_RANK_PATIENCE = 60.0  # seconds a rank may wait for a peer that is still computing (at least 6x the above)
+BACKSTOP_GRACE = 15.0  # the backend's own timeout is the patience plus this: the parent's watchdog acts first
 MAX_CPU_RANKS = 32
 _FAILURE_WINDOW = 0.3  # after a root-cause failure, how long to listen for the other ranks' reports
 _CONSEQUENCE_WINDOW = 2.0  # after only consequences (a peer's connection closed), how long to wait for the cause
@@ -86,12 +93,12 @@ class CollectiveTimeout(LaunchError):
     ``waiting`` maps each waiting rank to its op; ``kind`` says what the launcher saw:
     ``"deadlock"`` (every running rank waits in a point-to-point op), ``"mismatch"``
     (ranks wait in different collectives), ``"missing"`` (the others finished without
-    the call), ``"slow"`` (the others were still computing), or ``"hang"``.
+    the call), ``"slow"`` (the others were still computing), or ``"hang"``; ``hint`` says what to check.
     """
 
-    def __init__(self, message: str, waiting: dict[int, str], kind: str = "hang"):
+    def __init__(self, message: str, waiting: dict[int, str], kind: str = "hang", hint: str = ""):
         super().__init__(message)
-        self.waiting, self.kind = waiting, kind
+        self.waiting, self.kind, self.hint = waiting, kind, hint
 
 
 class LaunchTimeout(LaunchError):
@@ -299,13 +306,15 @@ class _RankGroup:
 
         self.world_size, self.backend = world_size, backend
         self.collective_timeout = float(collective_timeout)
+        self.patience = max(SLOW_RANK_PATIENCE, 6 * self.collective_timeout)
         self.conns, self.procs, self.reaper, self.lifeline = [], [], None, None
+        self.dump_offsets: dict[int, int] = {}  # where a rank's stack dump starts in its stderr
         self.job_id = 0
         ctx = _forkserver_context()
         self.store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=max(30.0, self.collective_timeout)))
         self.workdir = tempfile.mkdtemp(prefix="distlab-")
-        self.status = ctx.RawArray("d", _SF * world_size)
+        self.status = ctx.RawArray("d", [0.0, 0.0, -1.0, -1.0] * world_size)
         self.board = ctx.RawArray("d", 4 * world_size)
         _LIVE_GROUPS.add(self)
         try:
@@ -323,7 +332,7 @@ class _RankGroup:
         for r in range(self.world_size):
             spec = rank_module.RankSpec(
                 rank=r, world_size=self.world_size, backend=self.backend, store_port=self.store.port,
-                collective_timeout=self.collective_timeout, threads=threads,
+                backend_timeout=self.patience + BACKSTOP_GRACE, threads=threads,
                 stdout_path=self._output_path(r, "out"), stderr_path=self._output_path(r, "err"),
             )
             parent_end, child_end = ctx.Pipe()
@@ -349,6 +358,7 @@ class _RankGroup:
             raise TypeError(f"the job cannot be sent to the ranks: {type(error).__name__}: {error} "
                             "(fn, args and kwargs must be picklable)") from None
         self.job_id += 1
+        self.dump_offsets = {}
         self._clear_output()
         start = time.perf_counter()
         job = (self.job_id, payload, start, os.getcwd(), list(sys.path))
@@ -360,7 +370,7 @@ class _RankGroup:
         outcome = self._collect(start, timeout)
         wall = time.perf_counter() - start
         stdout = [self._read_output(r) for r in range(self.world_size)]
-        stderr = [self._read_output(r, stream="err") for r in range(self.world_size)]
+        stderr = [self._read_output(r, stream="err")[:self.dump_offsets.get(r)] for r in range(self.world_size)]
         if isinstance(outcome, LaunchError):
             if not isinstance(outcome, ReturnValueError):  # a bad return value leaves the ranks healthy
                 self.close()
@@ -415,7 +425,7 @@ class _RankGroup:
                     return self._failure(errors, crashed, pending)
             stuck = self._stuck_ranks(pending, now)
             if stuck:
-                return self._timeout_report(stuck, {}, pending, crashed)
+                return self._timeout_report(stuck, {}, pending, crashed, frames=self._blocked_frames(stuck))
             if timeout is not None and now - start > timeout:
                 return LaunchTimeout(
                     f"the job ran longer than timeout={timeout:g} s; all ranks were stopped.\n"
@@ -478,14 +488,13 @@ class _RankGroup:
         return RankFailed("\n".join(filter(None, [headline, context])) + "\n\n" + _format_traceback(first, info),
                           first, info["exc_type"], same)
 
-    def _timeout_report(self, stuck, waiting, pending, crashed, errors=None) -> CollectiveTimeout:
+    def _timeout_report(self, stuck, waiting, pending, crashed, errors=None, frames=None) -> CollectiveTimeout:
         """Why ranks waited: a point-to-point deadlock, mismatched collectives, a missing call or a slow rank.
 
         ``waiting`` holds ranks whose op failed ((op, peer, timed_out)); ``stuck`` ranks the
         watchdog found blocked past the timeout; pending ranks are still blocked or computing.
         """
         errors = errors or {}
-        now = time.perf_counter()
         blocked: dict[int, tuple[str, int]] = {r: (op, peer) for r, (op, peer, _) in waiting.items()}
         for r in pending:
             status = self._status(r)
@@ -495,7 +504,7 @@ class _RankGroup:
         timed_out = sorted(r for r, (_, _, out) in waiting.items() if out) or sorted(stuck)
         computing = sorted(r for r in pending if r not in blocked)
         finished = sorted(set(range(self.world_size)) - set(pending) - set(errors) - set(crashed))
-        seconds = f"{self.collective_timeout:g} s" + (f" + {WATCHDOG_GRACE:g} s grace" if stuck else "")
+        seconds = f"{self.collective_timeout:g} s"
         lead = timed_out[0] if timed_out else min(blocked)
         op, peer = blocked[lead]
         ops = {_base_op(o) for o, _ in blocked.values()}
@@ -506,8 +515,12 @@ class _RankGroup:
             receiving = all(_base_op(o) in ("recv", "irecv") for o, _ in blocked.values())
             sending = all(_base_op(o) in ("send", "isend") for o, _ in blocked.values())
             pairs = ", ".join(f"rank {r} {_op_text(o, p, short=True)}" for r, (o, p) in sorted(blocked.items()))
-            sends_elsewhere = sorted((r, peer) for r, info in errors.items()
-                                     for op, peer in info.get("in_flight", ()) if op == "isend" and peer >= 0)
+            sends_elsewhere = {r: to for r, info in errors.items()
+                               for kind_of_op, to in info.get("in_flight", ()) if kind_of_op == "isend" and to >= 0}
+            sends_elsewhere.update({r: int(self.status[_SF * r + 3]) for r in pending if self.status[_SF * r + 3] >= 0})
+            sends_elsewhere = sorted(sends_elsewhere.items())
+            hint = ("each rank must send to the rank that receives from it, in the same step: in a ring, send to "
+                    "(rank + 1) % N and receive from (rank - 1) % N.")
             if receiving and sends_elsewhere:
                 went = ", ".join(f"rank {r} to rank {p}" for r, p in sends_elsewhere)
                 headline = (f"every rank waits to receive ({pairs}) but the sends went elsewhere ({went}): the "
@@ -516,9 +529,12 @@ class _RankGroup:
             elif receiving and not finished:
                 headline = (f"every rank waits to receive ({pairs}) and none is sending: a point-to-point deadlock "
                             f"(timed out after {seconds}).")
+                hint = "start each send before the matching receive (dist.isend), then wait on both."
             elif sending and not finished:
                 headline = (f"every rank waits in a send ({pairs}) and none is receiving: a point-to-point deadlock "
                             f"(timed out after {seconds}).")
+                hint = ("a blocking dist.send waits for a receiver that is itself sending: post dist.isend and "
+                        "dist.irecv, then wait on both.")
             else:
                 done = f"; rank(s) {_ranks(finished)} finished their job" if finished else ""
                 headline = (f"a point-to-point op never completed ({pairs}{done}): no rank is sending or receiving "
@@ -526,28 +542,31 @@ class _RankGroup:
                             f"source (timed out after {seconds}).")
         elif len(ops) > 1:
             kind = "mismatch"
+            hint = "every rank must make the same collective calls in the same order."
             calls = ", ".join(f"rank {r} in {_op_text(o, p)}" for r, (o, p) in sorted(blocked.items()))
             headline = (f"mismatched collectives: {calls}; every rank must make the same collective calls in the "
                         f"same order (timed out after {seconds}).")
         elif computing:
             kind = "slow"
-            headline = (f"{who} timed out after {seconds} waiting in {_op_text(op, peer)} while rank(s) "
-                        f"{_ranks(computing)} were still computing (not in any collective): either they never "
-                        f"reach that call, or their work before it takes longer than collective_timeout="
-                        f"{self.collective_timeout:g} s (pass a larger collective_timeout for long steps).")
+            hint = "look for a collective those ranks skip, or an endless loop before it."
+            headline = (f"{who} waited {self.patience:g} s in {_op_text(op, peer)} while rank(s) "
+                        f"{_ranks(computing)} kept computing (not in any collective): either they never reach "
+                        f"that call, or their work before it takes longer than {self.patience:g} s.")
         elif finished:
             kind = "missing"
+            hint = "every rank must make the same collective calls in the same order."
             headline = (f"{who} timed out after {seconds} waiting in {_op_text(op, peer)}: rank(s) "
                         f"{_ranks(finished)} finished their job without calling it (a missing collective call; "
                         f"every rank must make the same collective calls in the same order).")
         else:
-            kind = "hang"
+            kind, hint = "hang", "check that every rank makes this call with the same arguments."
             headline = f"{who} timed out after {seconds} waiting in {_op_text(op, peer)}, which never completed."
         others = self._whereabouts(set(range(self.world_size)), pending, errors, crashed,
                                    heading="What each rank was doing, all now stopped", stuck=stuck)
-        trace = ("\n\n" + _format_traceback(lead, errors[lead])) if lead in errors else ""
+        lines = "".join(f"\n  rank {r} was blocked at {frame}" for r, frame in sorted((frames or {}).items()))
+        trace = ("\n\n" + _format_traceback(lead, errors[lead])) if lead in errors else lines
         return CollectiveTimeout(f"{headline}\n{others}{trace}", {r: o for r, (o, _) in sorted(blocked.items())},
-                                 kind)
+                                 kind, hint)
 
     def _crash_message(self, r, code, pending, errors, crashed) -> str:
         how = _describe_exit(code)
@@ -590,7 +609,7 @@ class _RankGroup:
                     parts.append(f"rank {r}: raised {info['exc_type']}{where}")
             elif r in stuck:
                 op, secs, peer = stuck[r]
-                parts.append(f"rank {r}: waited {secs:.0f} s in {_op_text(op, peer)}")
+                parts.append(f"rank {r}: blocked {secs:.0f} s in {_op_text(op, peer)}")
             elif r in pending and status:
                 parts.append(f"rank {r}: waiting in {_op_text(status[0], status[2])} for {now - status[1]:.1f} s")
             elif r in pending:
@@ -600,13 +619,48 @@ class _RankGroup:
         return (f"{heading}: " + "; ".join(parts) + ".") if parts else ""
 
     def _stuck_ranks(self, pending, now) -> dict[int, tuple[str, float, int]]:
-        limit = self.collective_timeout + WATCHDOG_GRACE
-        stuck = {}
+        """Blocked ranks the watchdog ends: all of them when every running rank has been blocked for
+        ``collective_timeout`` (nobody left to unblock them), or those that waited ``patience`` for a
+        peer still computing."""
+        blocked = {}
         for r in pending:
             status = self._status(r)
-            if status and now - status[1] > limit:
-                stuck[r] = (status[0], now - status[1], status[2])
-        return stuck
+            if status:
+                blocked[r] = (status[0], now - status[1], status[2])
+        if not blocked:
+            return {}
+        if len(blocked) == len(pending):
+            if all(secs > self.collective_timeout for _, secs, _ in blocked.values()):
+                return blocked
+            return {}
+        return {r: b for r, b in blocked.items() if b[1] > self.patience}
+
+    def _blocked_frames(self, ranks) -> dict[int, str]:
+        """The user's line each blocked rank is waiting in, from a faulthandler dump (SIGUSR1).
+
+        The rank is blocked inside the backend, so it cannot answer through its pipe; the
+        signal handler runs in C and writes every thread's Python stack to its stderr.
+        """
+        offsets = {r: len(self._read_output(r, stream="err").encode()) for r in ranks}
+        for r in ranks:
+            try:
+                os.kill(self.procs[r].pid, rank_module.STACK_DUMP_SIGNAL)
+            except (ProcessLookupError, AttributeError):
+                pass
+        frames: dict[int, str] = {}
+        deadline = time.perf_counter() + 3.0
+        while len(frames) < len(ranks) and time.perf_counter() < deadline:
+            time.sleep(0.05)
+            for r in ranks:
+                if r not in frames:
+                    dump = self._read_output(r, stream="err").encode()[offsets[r]:].decode(errors="replace")
+                    if "_drain_async_ops" in dump:
+                        frames[r] = "the end of its job, which returned with this async op in flight (never waited on)"
+                    elif "_run_job" in dump:
+                        frames[r] = _abort_details(dump)[1] or ""
+        for r in ranks:
+            self.dump_offsets[r] = len(self._read_output(r, stream="err").encode()[:offsets[r]].decode(errors="replace"))
+        return {r: f for r, f in frames.items() if f}
 
     def _status(self, r: int) -> tuple[str, float, int] | None:
         code = self.status[_SF * r]

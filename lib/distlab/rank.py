@@ -18,6 +18,7 @@ import ctypes
 import faulthandler
 import os
 import random
+import signal
 import sys
 import time
 import traceback
@@ -37,7 +38,10 @@ _FRESH_TORCH_SEED = torch.initial_seed()
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _THIS_FILE = os.path.abspath(__file__)
 OP_NAMES = list(comm.WIRE_BYTES)
-STATUS_FIELDS = 3  # per rank in the shared status array: op code (negative: waiting on an async op), since, peer
+# Per rank in the shared status array: op code (negative: waiting on an async op), since, peer, and the
+# peer of the oldest isend still in flight (-1: none), which tells a wrong neighbour from a deadlock.
+STATUS_FIELDS = 4
+STACK_DUMP_SIGNAL = signal.SIGUSR1  # the launcher asks a blocked rank for its Python stack with it
 
 
 @dataclass(frozen=True)
@@ -46,7 +50,7 @@ class RankSpec:
     world_size: int
     backend: str
     store_port: int
-    collective_timeout: float
+    backend_timeout: float  # a backstop: the launcher's watchdog ends real hangs well before it
     threads: int
     stdout_path: str
     stderr_path: str
@@ -79,7 +83,7 @@ def main(spec: RankSpec, conn, status, board) -> None:
         conn.send(("error", None, describe_error(error, in_op="init_process_group")))
         return
     comm.install()
-    comm.set_status_hook(_status_writer(status, spec.rank))
+    comm.set_status_hook(_status_writer(status, spec.rank), _inflight_writer(status, spec.rank))
     comm.set_fingerprint_board(board, spec.rank)
     # torch 2.13 renamed all_gather_into_tensor/reduce_scatter_tensor to *_single; labs keep the
     # names that work on every supported torch (>=2.8), so the rename notice is noise here.
@@ -235,21 +239,27 @@ def _status_writer(status, rank: int):
     return write
 
 
-def _join_process_group(spec: RankSpec) -> None:
-    """Rendezvous with generous patience, then join the process group with the (short) collective timeout.
+def _inflight_writer(status, rank: int):
+    def write(peer: int) -> None:
+        status[STATUS_FIELDS * rank + 3] = peer
 
-    gloo connects its mesh under the process group's timeout, which is the collective
-    timeout a test or a grader may set to a second or two. On a loaded machine the last
-    rank can start later than that, so every rank first waits in the store until all are up.
+    return write
+
+
+def _join_process_group(spec: RankSpec) -> None:
+    """Rendezvous in the store until every rank is up, then join the process group.
+
+    On a loaded machine the last rank can start seconds after the first; waiting for all
+    of them in the store first keeps gloo's mesh connection from racing a slow starter.
     """
-    patience = timedelta(seconds=max(60.0, spec.collective_timeout))
+    patience = timedelta(seconds=max(60.0, spec.backend_timeout))
     store = dist.TCPStore("127.0.0.1", spec.store_port, spec.world_size, is_master=False, timeout=patience)
     store.set(f"distlab/up/{spec.rank}", "1")
     store.wait([f"distlab/up/{r}" for r in range(spec.world_size)], patience)
     if spec.backend == "nccl":
         torch.cuda.set_device(spec.rank)
     dist.init_process_group(spec.backend, store=store, rank=spec.rank, world_size=spec.world_size,
-                            timeout=timedelta(seconds=spec.collective_timeout))
+                            timeout=timedelta(seconds=spec.backend_timeout))
 
 
 def _set_rank_environment(spec: RankSpec) -> None:
@@ -287,6 +297,7 @@ def _capture_output(spec: RankSpec) -> None:
         except (AttributeError, ValueError):
             pass
     faulthandler.enable()  # a segfault or an abort leaves a Python traceback in the rank's stderr
+    faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True)  # so does the launcher's request for a blocked rank
 
 
 def _detach_from_forkserver() -> None:
