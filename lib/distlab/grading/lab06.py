@@ -10,7 +10,7 @@
   problem), reach its schedule's bubble in the unit-time simulation, and hold no more
   micro-batches in flight than the schedule promises.
 * 6.4 the executor: runs the student's executor on real gloo ranks under hidden
-  schedules and shapes, and compares every rank's weights after two SGD steps with the
+  schedules and shapes, and compares every rank's weights after an SGD step with the
   single-process run on the whole batch (1e-6); checks the timeline (one span per
   compute, in the schedule's order) and the traffic (``isend``/``irecv`` only, one
   activation or gradient per message).
@@ -23,12 +23,12 @@ import random
 from distlab.grading import CheckFailed, quiz
 from distlab.grading.registry import Exercise
 from distlab.model import GPTConfig
-from distlab.pipeline_parallel import (Action, ScheduleError, balanced_partition, bubble_fraction, compute_spans,
+from distlab.pipeline_parallel import (ScheduleError, balanced_partition, bubble_fraction, check_partition, compute_spans,
                                        interleaved_bubble_fraction, make_schedule, pipeline_worker, reference_states,
                                        simulate, stage_costs, validate)
 
 _SEED = 6_2024
-COLLECTIVE_TIMEOUT = 3.0
+COLLECTIVE_TIMEOUT = 15.0  # a deadlocked executor fails in seconds; a busy laptop still gets headroom
 JOB_TIMEOUT = 60.0
 
 __all__ = ["EXERCISES", "check_partitions", "check_schedules", "check_interleaved", "check_executor",
@@ -58,18 +58,10 @@ def _as_ranges(result, where: str) -> list[range]:
 
 
 def _check_structure(stages: list[range], n_layers: int, n_stages: int, where: str) -> None:
-    if len(stages) != n_stages:
-        raise CheckFailed(f"{where}: returned {len(stages)} stages, expected {n_stages}")
-    expected = 0
-    for s, stage in enumerate(stages):
-        if len(stage) == 0:
-            raise CheckFailed(f"{where}: stage {s} has no layers; every stage needs at least one")
-        if stage.start != expected:
-            raise CheckFailed(f"{where}: stage {s} starts at layer {stage.start}, expected {expected}: stages must "
-                              f"cover the layers in order, without gaps or overlaps")
-        expected = stage.stop
-    if expected != n_layers:
-        raise CheckFailed(f"{where}: the stages cover layers 0..{expected - 1}, but the model has {n_layers}")
+    try:
+        check_partition(stages, n_layers, n_stages)
+    except ValueError as error:
+        raise CheckFailed(f"{where}: {error}") from None
 
 
 def _expect_value_error(fn, args, where: str, why: str) -> None:
@@ -250,8 +242,7 @@ def _executor_cases(rng: random.Random) -> list[dict]:
                          n_head=n_head, d_model=n_head * rng.choice([4, 8]), tied_embeddings=rng.random() < 0.5)
 
     return [  # all on 2 ranks: interleaved gives both ranks stages that receive and send
-        dict(p=2, schedule="gpipe", m=3, v=1, cfg=cfg(rng.randint(2, 5))),
-        dict(p=2, schedule="1f1b", m=rng.choice([4, 5]), v=1, cfg=cfg(rng.randint(3, 5))),
+        dict(p=2, schedule="1f1b", m=rng.choice([3, 4, 5]), v=1, cfg=cfg(rng.randint(2, 5))),
         dict(p=2, schedule="1f1b", m=1, v=1, cfg=cfg(rng.randint(2, 4))),  # fewer micro-batches than stages
         dict(p=2, schedule="interleaved", m=rng.choice([2, 4]), v=2, cfg=cfg(rng.randint(4, 6))),
     ]
@@ -285,7 +276,7 @@ def check_executor(execute) -> str:
 
     rng = random.Random(_SEED + 4)
     cases = _executor_cases(rng)
-    steps, lr = 2, 0.1
+    steps, lr = 1, 0.1
     for case in cases:
         p, m, v, cfg = case["p"], case["m"], case["v"], case["cfg"]
         rows = rng.choice([1, 2])
@@ -307,7 +298,7 @@ def check_executor(execute) -> str:
                 diff = (got.double() - ref.state_dict[name].double()).abs().max().item()
                 if diff > 1e-6:
                     hint = _update_hint(got, ref.state_dict[name], ref_before.state_dict[name], m)
-                    raise CheckFailed(f"{what}: after {steps} SGD steps rank {r}'s {name} differs from the single-"
+                    raise CheckFailed(f"{what}: after {steps} SGD step(s) rank {r}'s {name} differs from the single-"
                                       f"process run on the whole batch by {diff:.3g}{hint}")
         last = (p * v - 1) % p
         losses = run[last]["losses"]
@@ -317,7 +308,7 @@ def check_executor(execute) -> str:
                               f"{[round(x, 5) for x in ref.losses]}")
         _check_timeline(run, case, steps)
         _check_traffic(run, case, steps, rows)
-    return (f"{len(cases)} cases (GPipe, 1F1B, 1F1B with m < p, interleaved): weights equal the single-process "
+    return (f"{len(cases)} cases (1F1B, 1F1B with m < p, interleaved): weights equal the single-process "
             f"run, spans follow the schedule, isend/irecv of one activation per message")
 
 

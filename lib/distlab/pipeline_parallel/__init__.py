@@ -23,8 +23,8 @@ Under torchrun::
 from distlab.pipeline_parallel.executor import (Channels, SavedActivations, StageModule, StepStats, build_stages,
                                                 channels, lm_loss, run_schedule, split_microbatches,
                                                 sync_tied_gradients)
-from distlab.pipeline_parallel.measure import (PHASE_COLORS, Bubble, compute_spans, measured_bubble, plot_pipeline,
-                                               step_spans)
+from distlab.pipeline_parallel.measure import (PHASE_COLORS, Bubble, StepsBubble, compute_spans, measured_bubble,
+                                               plot_pipeline, step_spans, steps_bubble)
 from distlab.pipeline_parallel.partition import (LayerCosts, balanced_partition, check_partition, even_partition,
                                                  measure_layer_costs, stage_costs)
 from distlab.pipeline_parallel.schedules import (COMMUNICATION, COMPUTE, SCHEDULES, Action, ScheduleError,
@@ -32,8 +32,8 @@ from distlab.pipeline_parallel.schedules import (COMMUNICATION, COMPUTE, SCHEDUL
                                                  interleaved_1f1b, interleaved_bubble_fraction, make_schedule,
                                                  num_stages_of, one_f_one_b, simulate, validate, with_p2p,
                                                  zero_bubble_h1)
-from distlab.pipeline_parallel.train import (check_setup, pipeline_worker, reference_states, torch_pipelining_worker,
-                                             train)
+from distlab.pipeline_parallel.train import (check_setup, keep_freed_memory, pipeline_worker, reference_states,
+                                             torch_pipelining_worker, train)
 
 __all__ = [
     "Action", "COMPUTE", "COMMUNICATION", "ScheduleError", "bubble_fraction", "interleaved_bubble_fraction",
@@ -42,6 +42,7 @@ __all__ = [
     "even_partition", "balanced_partition", "stage_costs", "check_partition", "LayerCosts", "measure_layer_costs",
     "StageModule", "build_stages", "lm_loss", "Channels", "channels", "SavedActivations", "StepStats",
     "run_schedule", "sync_tied_gradients", "split_microbatches",
-    "PHASE_COLORS", "compute_spans", "step_spans", "Bubble", "measured_bubble", "plot_pipeline",
-    "check_setup", "pipeline_worker", "reference_states", "torch_pipelining_worker", "train",
+    "PHASE_COLORS", "compute_spans", "step_spans", "Bubble", "measured_bubble", "StepsBubble", "steps_bubble",
+    "plot_pipeline",
+    "check_setup", "keep_freed_memory", "pipeline_worker", "reference_states", "torch_pipelining_worker", "train",
 ]

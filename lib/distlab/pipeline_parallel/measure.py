@@ -1,10 +1,16 @@
 """Reading the bubble off a real timeline, and drawing it.
 
-The bubble of a step is the share of the pipeline's wall time a rank spends not
-computing. The window is common to all ranks — from the first compute of any rank to
-the last compute of any rank — because the bubble *is* the time the last stage waits
-before its first forward and the first stage waits after its last backward; measuring
-each rank from its own first to its own last span would hide exactly that.
+Every rank's idle share is measured over one window common to all ranks — from the first
+compute of any rank to the last compute of any rank — because the bubble *is* the time the
+last stage waits before its first forward and the first stage waits after its last
+backward; measuring each rank from its own first to its own last span would hide exactly that.
+
+Real stages are never exactly equal (the last one also runs the LM head and the loss, and
+two cores never run at quite the same speed), and a pipeline moves at the pace of its
+slowest stage: the faster stages also wait for it on every micro-batch. That waiting is
+*imbalance*, not bubble. The busiest stage never waits for a slower one, so its idle share
+is the fill and drain alone — the bubble the schedule costs, the quantity
+``(p-1)/(m+p-1)`` predicts. :class:`Bubble` reports both.
 """
 
 from __future__ import annotations
@@ -15,7 +21,8 @@ from typing import Sequence
 
 from distlab.timeline import Span, idle_fraction
 
-__all__ = ["PHASE_COLORS", "compute_spans", "step_spans", "Bubble", "measured_bubble", "plot_pipeline"]
+__all__ = ["PHASE_COLORS", "compute_spans", "step_spans", "Bubble", "measured_bubble", "StepsBubble", "steps_bubble",
+           "plot_pipeline"]
 
 PHASE_COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#55A868", "W": "#8C9E3F"}
 
@@ -40,7 +47,18 @@ class Bubble:
     window: float  # seconds from the first compute to the last, over all ranks
 
     @property
-    def mean(self) -> float:
+    def bottleneck(self) -> int:
+        """The busiest rank: the least idle over the common window."""
+        return min(range(len(self.per_rank)), key=self.per_rank.__getitem__)
+
+    @property
+    def fraction(self) -> float:
+        """The pipeline's bubble: the idle share of its busiest stage (fill and drain only)."""
+        return self.per_rank[self.bottleneck]
+
+    @property
+    def mean_idle(self) -> float:
+        """Idle share averaged over the ranks: the bubble plus the faster stages' wait for the slowest."""
         return statistics.fmean(self.per_rank)
 
 
@@ -61,6 +79,31 @@ def measured_bubble(spans: Sequence[Span], ranks: int | None = None) -> Bubble:
         marks = [Span(r, "window", "idle", start, start), Span(r, "window", "idle", end, end)]
         per_rank.append(idle_fraction([s for s in work if s.rank == r] + marks, r))
     return Bubble(tuple(per_rank), end - start)
+
+
+@dataclass(frozen=True)
+class StepsBubble:
+    """The bubble of a run over several steps: medians, with one bottleneck rank for all steps."""
+
+    fraction: float  # median over steps of the bottleneck rank's idle share: the bubble
+    mean_idle: float  # median over steps of the idle share averaged over ranks: bubble + imbalance
+    bottleneck: int  # the rank that computed the most over all steps
+    per_step: tuple[float, ...]  # the bottleneck rank's idle share in each step
+
+
+def steps_bubble(spans: Sequence[Span], steps: Sequence[int], ranks: int) -> StepsBubble:
+    """Measure the bubble over ``steps`` (``step{k}`` markers), choosing the bottleneck once.
+
+    Picking the least idle rank in each step separately would pick noise: the minimum of
+    several jittery values is biased low. The rank that computed the most over all the
+    steps is the slowest stage; its idle share in each step is that step's bubble.
+    """
+    bubbles = [measured_bubble(step_spans(spans, k), ranks) for k in steps]
+    busy = [sum((1 - b.per_rank[r]) * b.window for b in bubbles) for r in range(ranks)]
+    bottleneck = max(range(ranks), key=busy.__getitem__)
+    per_step = tuple(b.per_rank[bottleneck] for b in bubbles)
+    return StepsBubble(statistics.median(per_step), statistics.median(b.mean_idle for b in bubbles), bottleneck,
+                       per_step)
 
 
 def plot_pipeline(spans: Sequence[Span], ax=None, title: str | None = None, unit: str = "ms", label_bars: bool = True):

@@ -90,19 +90,19 @@ def check_partition(partition: Sequence[range], n_layers: int, n_stages: int) ->
     """Raise ``ValueError`` unless ``partition`` is ``n_stages`` non-empty contiguous ranges covering 0..n_layers-1."""
     stages = list(partition)
     if len(stages) != n_stages:
-        raise ValueError(f"expected {n_stages} stages, got {len(stages)}")
+        raise ValueError(f"returned {len(stages)} stages, expected {n_stages}")
     expected = 0
     for s, stage in enumerate(stages):
         if not isinstance(stage, range) or stage.step != 1:
             raise ValueError(f"stage {s} must be a range of consecutive layers, got {stage!r}")
         if len(stage) == 0:
-            raise ValueError(f"stage {s} has no layers")
+            raise ValueError(f"stage {s} has no layers; every stage needs at least one")
         if stage.start != expected:
-            raise ValueError(f"stage {s} starts at layer {stage.start}, expected {expected} (stages must be "
-                             f"contiguous and in order)")
+            raise ValueError(f"stage {s} starts at layer {stage.start}, expected {expected}: stages must cover "
+                             f"the layers in order, without gaps or overlaps")
         expected = stage.stop
     if expected != n_layers:
-        raise ValueError(f"the stages cover layers 0..{expected - 1}, the model has {n_layers}")
+        raise ValueError(f"the stages cover layers 0..{expected - 1}, but the model has {n_layers}")
 
 
 def _check_counts(n_layers: int, n_stages: int) -> None:

@@ -7,7 +7,7 @@ rank ``s % p``. Keeping the schedule a pure function of ``(p, m, v)`` is what le
 
 * print it and draw it before running anything (:func:`simulate` replays it in unit time);
 * prove it cannot deadlock and that each message meets its receiver in order
-  (:func:`validate`), on gloo and under NCCL's stricter stream semantics alike;
+  (:func:`validate`) — NCCL pairs the messages of a channel by position, so order matters;
 * compute its bubble and its peak in-flight micro-batches exactly, then compare those with
   what a real run measures.
 
@@ -372,22 +372,26 @@ class Simulation:
         return 1.0 - sum(self.busy) / (self.p * self.makespan)
 
 
-def simulate(schedule: Sequence[Sequence[Action]], m: int | None = None, v: int = 1, forward_cost: float = 1.0,
-             backward_cost: float = 2.0) -> Simulation:
+def simulate(schedule: Sequence[Sequence[Action]], m: int | None = None, v: int = 1,
+             forward_cost: float | Sequence[float] = 1.0, backward_cost: float | Sequence[float] = 2.0) -> Simulation:
     """Replay the schedule in unit time and return its timeline, bubble and peak memory.
 
     The rules are the executor's: a rank runs its actions in order; a send or a receive is
     posted without waiting; a compute that consumes a message waits until the message has
     arrived, which is once both the send and the receive are posted and every earlier
     message on the same channel (one per direction between two ranks) has arrived. Costs
-    are per stage, so an interleaved rank's stage costs ``1/v`` of its whole-rank work.
-    Raises :class:`ScheduleError` when no rank can move (a deadlock), saying where each waits.
+    are per stage, so an interleaved rank's stage costs ``1/v`` of its whole-rank work; give
+    one cost per rank (measured ones, say) to replay unequal stages. Raises :class:`ScheduleError` when no rank can move (a deadlock), saying where each waits.
     """
     from distlab.timeline import Span
 
     p = len(schedule)
     m = m if m is not None else 1 + max((a.microbatch for ops in schedule for a in ops), default=0)
-    cost = {"F": forward_cost / v, "B": backward_cost / v, "I": backward_cost / (2 * v), "W": backward_cost / (2 * v)}
+    fwd = [float(forward_cost)] * p if isinstance(forward_cost, (int, float)) else [float(c) for c in forward_cost]
+    bwd = [float(backward_cost)] * p if isinstance(backward_cost, (int, float)) else [float(c) for c in backward_cost]
+    if len(fwd) != p or len(bwd) != p:
+        raise ValueError(f"give one forward and one backward cost per rank ({p}), got {len(fwd)} and {len(bwd)}")
+    cost = [{"F": f / v, "B": b / v, "I": b / (2 * v), "W": b / (2 * v)} for f, b in zip(fwd, bwd)]
     pointer, clock = [0] * p, [0.0] * p
     posted: dict[tuple, float] = {}  # (SEND|RECV, message) -> when it was posted
     arrived: dict[tuple, float] = {}  # message -> when the receiver has it
@@ -430,8 +434,8 @@ def simulate(schedule: Sequence[Sequence[Action]], m: int | None = None, v: int 
                     if message is not None and message not in arrived:
                         break
                     start = max(clock[r], arrived[message] if message is not None else 0.0)
-                    clock[r] = start + cost[a.kind]
-                    sim.busy[r] += cost[a.kind]
+                    clock[r] = start + cost[r][a.kind]
+                    sim.busy[r] += cost[r][a.kind]
                     label = f"{a.kind}{a.microbatch}" + (f".{a.stage // p}" if v > 1 else "")
                     sim.spans.append(Span(r, label, "compute", start, clock[r]))
                     if a.kind == "F":

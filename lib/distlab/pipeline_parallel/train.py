@@ -23,7 +23,7 @@ from distlab.pipeline_parallel.executor import (SavedActivations, StepStats, bui
 from distlab.pipeline_parallel.partition import even_partition
 from distlab.pipeline_parallel.schedules import Action, SCHEDULES, make_schedule
 
-__all__ = ["check_setup", "pipeline_worker", "reference_states", "torch_pipelining_worker", "train"]
+__all__ = ["check_setup", "keep_freed_memory", "pipeline_worker", "reference_states", "torch_pipelining_worker", "train"]
 
 
 def check_setup(p: int, m: int, n_layer: int, batch_size: int, schedule: str | Sequence = "1f1b", v: int = 1) -> None:
@@ -40,6 +40,32 @@ def check_setup(p: int, m: int, n_layer: int, batch_size: int, schedule: str | S
         raise ValueError(f"the batch of {batch_size} sequences does not split into m={m} equal micro-batches")
     if p * v > n_layer:
         raise ValueError(f"{p * v} stages (p={p} ranks x v={v}) need at least {p * v} layers; the model has {n_layer}")
+
+
+_M_TRIM_THRESHOLD, _M_TOP_PAD, _M_MMAP_THRESHOLD = -1, -2, -3  # glibc mallopt parameters
+
+
+def keep_freed_memory() -> bool:
+    """Make this process's C allocator keep freed memory instead of handing it back to the OS.
+
+    PyTorch on the CPU allocates every activation with ``malloc``. By default glibc serves
+    blocks over 128 KiB with a fresh ``mmap`` and trims the heap after frees, so each new
+    activation page-faults its way into memory: a real share of a small stage's compute,
+    and different on every micro-batch — the jitter that makes one stage wait for another.
+    Keeping freed memory (as the CUDA caching allocator does on GPUs) makes stage
+    times steady. glibc only (Linux); elsewhere a no-op that returns False.
+    """
+    import ctypes
+    import sys
+
+    if not sys.platform.startswith("linux"):
+        return False
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+        return all([libc.mallopt(_M_MMAP_THRESHOLD, 32 * 2**20), libc.mallopt(_M_TRIM_THRESHOLD, 2**30),
+                    libc.mallopt(_M_TOP_PAD, 64 * 2**20)])
+    except (OSError, AttributeError):  # not glibc (musl, …)
+        return False
 
 
 def _merged_state(stages) -> dict[str, torch.Tensor]:
@@ -74,6 +100,7 @@ def pipeline_worker(schedule: str | Sequence[Sequence[Action]] = "1f1b", cfg: GP
     p, rank = dist.get_world_size(), dist.get_rank()
     batch_size = batch_size or m
     check_setup(p, m, cfg.n_layer, batch_size, schedule, v)
+    keep_freed_memory()
     actions_all = make_schedule(schedule, p, m, v) if isinstance(schedule, str) else schedule
     S = p * v
     partition = list(partition) if partition is not None else even_partition(cfg.n_layer, S)
@@ -142,6 +169,7 @@ def torch_pipelining_worker(schedule: str = "1f1b", cfg: GPTConfig | None = None
     check_setup(p, m, cfg.n_layer, batch_size, schedule)
     if schedule == "1f1b" and m < p:
         raise ValueError(f"torch's Schedule1F1B needs m >= p (it refuses m={m} < p={p}); distlab's 1F1B runs it")
+    keep_freed_memory()
     dev = rank_device()
     partition = even_partition(cfg.n_layer, p)
     theirs = build_stages(cfg, partition, rank, p, seed, dev)[rank]
@@ -160,7 +188,7 @@ def torch_pipelining_worker(schedule: str = "1f1b", cfg: GPTConfig | None = None
             sched.step(target=y, losses=losses)
         else:
             sched.step()
-        return statistics.fmean(float(t) for t in losses) if losses else None
+        return statistics.fmean(t.item() for t in losses) if losses else None
 
     def run_ours(x, y):
         stats = run_schedule(actions, mine, split_microbatches(x, y, m), p=p, num_stages=p)
