@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from distlab.context_parallel import (SEQ_DIM, attention_block, layout_positions, measure_work, merge_attention,
+from distlab.context_parallel import (SEQ_DIM, attention_block, layout_positions, measure_work,
                                       ring_bytes, shard, ulysses_bytes, unshard)
 from distlab.grading import CheckFailed
 from distlab.grading import quiz
