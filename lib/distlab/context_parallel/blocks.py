@@ -44,6 +44,8 @@ def layout_positions(seq_len: int, world_size: int, rank: int, layout: str = "co
     so an early chunk (little causal work) pairs with a late one (much). striped: ``r, r+N, r+2N, …``.
     """
     _check_layout(seq_len, world_size, layout)
+    if not 0 <= rank < world_size:
+        raise ValueError(f"rank {rank} is not one of the {world_size} ranks")
     if layout == "contiguous":
         size = seq_len // world_size
         return torch.arange(rank * size, (rank + 1) * size)

@@ -80,12 +80,15 @@ def verify(method: str = "ring", batch: int = 1, heads: int = 4, seq_len: int = 
            seed: int = 0, repeats: int = 1, check: bool = True) -> dict:
     """Run one context-parallel attention forward and backward on every rank; the torchrun entry point.
 
-        torchrun --nproc-per-node=8 -m distlab.torchrun distlab.context_parallel:verify method=ring seq_len=65536
+        torchrun --nproc-per-node=8 -m distlab.torchrun distlab.context_parallel:verify method=ring seq_len=8192
+        torchrun --nproc-per-node=8 -m distlab.torchrun distlab.context_parallel:verify method=usp ulysses_size=4 \
+            seq_len=131072 dtype=bfloat16 check=False repeats=5
 
     Every rank draws the same full Q, K, V and output gradient from ``seed``, keeps its shard and
     runs ``method`` (ring, ulysses or usp). With ``check`` it compares its output and gradients with
-    ``F.scaled_dot_product_attention`` on the full sequence (max abs error). Returns this rank's
-    errors, the median seconds of forward + backward, and bytes sent per forward + backward.
+    ``F.scaled_dot_product_attention`` on the full sequence (max abs error; every rank computes the
+    full attention for that, so keep it for sizes one device can hold). Returns this rank's errors,
+    the median seconds of forward + backward, and bytes sent per forward + backward.
     """
     from distlab import comm
     from distlab.rank import device as rank_device

@@ -50,10 +50,11 @@ class Case:
     causal: bool = False
     layout: str = "contiguous"
 
-    def tensors(self, count: int = 3, scale: float = 1.0) -> list[torch.Tensor]:
+    def tensors(self, count: int = 3) -> list[torch.Tensor]:
+        """The full Q, K, V (and, with count=4, the output gradient) that every rank draws alike."""
         generator = torch.Generator().manual_seed(self.seed)
         shape = (self.batch, self.heads, self.seq_len, self.head_dim)
-        return [torch.randn(shape, generator=generator) * (scale if i == 0 else 1.0) for i in range(count)]
+        return [torch.randn(shape, generator=generator) for _ in range(count)]
 
     def __str__(self) -> str:
         mask = "causal" if self.causal else "no mask"
@@ -257,9 +258,9 @@ def _launch(worker, world_size: int, *args):
             f"the same number of times") from None
 
 
-def _shards(case: Case, count: int = 3, scale: float = 1.0) -> list[torch.Tensor]:
+def _shards(case: Case, count: int = 3) -> list[torch.Tensor]:
     rank = dist.get_rank()
-    return [shard(t, case.world_size, rank, case.layout) for t in case.tensors(count, scale)]
+    return [shard(t, case.world_size, rank, case.layout) for t in case.tensors(count)]
 
 
 def _forward_worker(fn, cases, kind):
@@ -294,20 +295,26 @@ def _owner(case: Case, token: int) -> int:
                 if token in layout_positions(case.seq_len, case.world_size, r, case.layout).tolist())
 
 
+def _compare_shards(run, index: int, case: Case, name: str, expected: torch.Tensor, atol: float, missing: str,
+                    hint) -> None:
+    """Reassemble every rank's ``name`` shard and compare with ``expected``; ``hint(got)`` explains a mismatch."""
+    got = _assemble(run, index, name, case)
+    if got is None:
+        raise CheckFailed(f"{case}: {missing}")
+    if got.shape != expected.shape:
+        raise CheckFailed(f"{case}: the shards of {name} assemble to shape {tuple(got.shape)}, expected "
+                          f"{tuple(expected.shape)}")
+    diff, where = _worst(got, expected)
+    if diff > atol:
+        raise CheckFailed(f"{case}: rank {_owner(case, where[2])}'s {name} for token {where[2]} differs from full "
+                          f"attention's by {diff:.3g}: {hint(got)}")
+
+
 def _check_values(run, index: int, case: Case, hint: str) -> None:
-    q, k, v = case.tensors()
-    expected_out, expected_lse = _reference(q, k, v, case.causal)
+    expected_out, expected_lse = _reference(*case.tensors(), case.causal)
     for name, expected in (("out", expected_out), ("lse", expected_lse)):
-        got = _assemble(run, index, name, case)
-        if got is None:
-            raise CheckFailed(f"{case}: return (out, lse) from every rank, out [B, H, T/N, D] and lse [B, H, T/N]")
-        if got.shape != expected.shape:
-            raise CheckFailed(f"{case}: the shards of {name} assemble to shape {tuple(got.shape)}, expected "
-                              f"{tuple(expected.shape)}")
-        diff, where = _worst(got, expected)
-        if diff > FORWARD_ATOL:
-            raise CheckFailed(f"{case}: rank {_owner(case, where[2])}'s {name} for token {where[2]} differs from full "
-                              f"attention by {diff:.3g}: {hint}")
+        _compare_shards(run, index, case, name, expected, FORWARD_ATOL,
+                        "return (out, lse) from every rank, out [B, H, T/N, D] and lse [B, H, T/N]", lambda _: hint)
 
 
 def _p2p_bytes(events) -> int:
@@ -315,8 +322,8 @@ def _p2p_bytes(events) -> int:
 
 
 def _check_ring_messages(run, index: int, case: Case) -> None:
-    block = 2 * case.batch * case.heads * (case.seq_len // case.world_size) * case.head_dim * 4
-    expected = (case.world_size - 1) * block
+    expected = ring_bytes(case.batch, case.heads, case.seq_len, case.head_dim, case.world_size)
+    block = expected // (case.world_size - 1)
     for rank, results in enumerate(run):
         events = results[index]["events"]
         others = sorted({op for op, _, _ in events} - {"isend", "irecv"})
@@ -494,18 +501,10 @@ def check_ring_backward(function_class) -> str:
                     raise CheckFailed(f"{case}: rank {rank}'s backward called {', '.join(others)}: K/V and their "
                                       f"dK/dV accumulators travel around the ring with point-to-point messages")
             for name, expected in (("dq", ref[0].grad), ("dk", ref[1].grad), ("dv", ref[2].grad)):
-                got = _assemble(run, index, name, case)
-                if got is None:
-                    raise CheckFailed(f"{case}: {name} is None: backward must return (dq, dk, dv, None, None), one "
-                                      f"gradient per input of forward")
-                if got.shape != expected.shape:
-                    raise CheckFailed(f"{case}: the shards of {name} assemble to {tuple(got.shape)}, expected "
-                                      f"{tuple(expected.shape)}")
-                diff, where = _worst(got, expected)
-                if diff > GRAD_ATOL:
-                    raise CheckFailed(f"{case}: rank {_owner(case, where[2])}'s {name} for token {where[2]} differs "
-                                      f"by {diff:.3g} from full attention's gradient: "
-                                      + _gradient_hint(run, index, case, name, got, expected))
+                _compare_shards(run, index, case, name, expected, GRAD_ATOL,
+                                f"{name} is None: backward must return (dq, dk, dv, None, None), one gradient per "
+                                f"input of forward",
+                                lambda got, n=name, e=expected: _gradient_hint(run, index, case, n, got, e))
             total += 1
     return f"{total} cases on N=2 and N=4, causal and not, three layouts: output and dQ, dK, dV equal SDPA's"
 
