@@ -98,6 +98,7 @@ class Ledger:
                 "id": doc.id, "url": doc.url, "source": doc.source, "reason": reason,
                 "hash_before": doc.meta.get("hash_before", text_hash(doc.text)),
                 "snippet": doc.text[: self.snippet_chars],
+                **{key: doc.meta[key] for key in ("duplicate_of", "error") if key in doc.meta},
             })
 
     @property
