@@ -114,6 +114,18 @@ class PurgeReport:
                 "verified": self.verified, **({"problems": self.problems} if self.problems else {})}
 
 
+def kept_text(out_dir, doc_id: str) -> str | None:
+    """The text a run kept for ``doc_id``, decoded from its span in the shards (None if it was not kept)."""
+    from distlab.data.shards import gpt2_encoding
+
+    run = RunDirectory(out_dir)
+    row = next((row for row in read_jsonl(run.file(LINEAGE_FILE)) if row["id"] == doc_id), None)
+    if row is None:
+        return None
+    tokens = read_shard(run.current() / SHARD_DIR / row["shard"])[row["offset"] + 1:row["offset"] + row["length"]]
+    return gpt2_encoding().decode(tokens.tolist())
+
+
 def shard_contents(directory: Path, names: list[str]) -> dict[str, list[dict]]:
     """What the shards on disk hold: shard name -> its index entries (id, offset, length)."""
     return {name: read_index(directory / SHARD_DIR / name)["documents"] for name in names}

@@ -81,20 +81,28 @@ def hashed_ngram_counts(tokens: np.ndarray, buckets: int = DSIR_BUCKETS) -> np.n
 class ImportanceResampler:
     """DSIR: log importance weights of raw documents toward a target sample.
 
-    Both distributions are smoothed categorical models over the hashed features; a
-    document's log weight is sum_j count_j * (log p_target_j - log p_raw_j)."""
+    Both distributions are smoothed categorical models over the hashed features. For a
+    fixed-length example the paper's log weight is sum_j count_j * (log p_target_j -
+    log p_raw_j); it selects from 128-word chunks, all the same length. Documents are not:
+    a raw sum ranks every short page above every long one. So we score a document as a
+    ``chunk_tokens``-token example with its own n-gram mix: ``chunk_tokens`` times the mean
+    log ratio over its n-grams (for documents of exactly that length, the paper's weight)."""
 
     def __init__(self, target: Sequence[np.ndarray], raw: Sequence[np.ndarray], buckets: int = DSIR_BUCKETS,
-                 smoothing: float = 1.0):
+                 smoothing: float = 1.0, chunk_tokens: int = 128):
         if not len(target) or not len(raw):
             raise ValueError("DSIR needs a non-empty target sample and raw pool")
-        self.buckets = buckets
+        self.buckets, self.chunk_tokens = buckets, chunk_tokens
         target_counts = sum(hashed_ngram_counts(t, buckets) for t in target) + smoothing
         raw_counts = sum(hashed_ngram_counts(r, buckets) for r in raw) + smoothing
         self.log_ratio = np.log(target_counts / target_counts.sum()) - np.log(raw_counts / raw_counts.sum())
 
     def log_weights(self, documents: Sequence[np.ndarray]) -> np.ndarray:
-        return np.array([hashed_ngram_counts(doc, self.buckets) @ self.log_ratio for doc in documents])
+        weights = []
+        for doc in documents:
+            counts = hashed_ngram_counts(doc, self.buckets)
+            weights.append(self.chunk_tokens * (counts @ self.log_ratio) / max(counts.sum(), 1))
+        return np.array(weights)
 
     def order(self, documents: Sequence[np.ndarray], rng: np.random.Generator) -> np.ndarray:
         """All documents in the order of sampling without replacement proportionally to their weights.

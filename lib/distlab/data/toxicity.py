@@ -71,18 +71,23 @@ class ClassifierScorer:
             return np.zeros(0)
         return np.asarray(self._predict([line[: self.max_line_chars] for line in lines]), dtype=float)
 
-    def score_batch(self, texts: Sequence[str]) -> list[float]:
-        """One score per text, scoring all their lines in one call (the model is much faster batched)."""
+    def worst_lines(self, texts: Sequence[str]) -> list[tuple[float, str]]:
+        """(score, line) of each text's worst line, all lines scored in one call (much faster batched)."""
         lines, owners = [], []
         for number, text in enumerate(texts):
             for line in text.split("\n"):
                 if line.strip():
                     lines.append(line)
                     owners.append(number)
-        worst = np.zeros(len(texts))
-        if lines:
-            np.maximum.at(worst, np.asarray(owners), self.line_scores(lines))
-        return worst.tolist()
+        worst = [(0.0, "")] * len(texts)
+        for owner, score, line in zip(owners, self.line_scores(lines).tolist(), lines):
+            if score > worst[owner][0]:
+                worst[owner] = (score, line)
+        return worst
+
+    def score_batch(self, texts: Sequence[str]) -> list[float]:
+        """One score per text: its worst line's."""
+        return [score for score, _ in self.worst_lines(texts)]
 
     def __call__(self, text: str) -> float:
         return self.score_batch([text])[0]
@@ -100,8 +105,9 @@ def make_scorer(kind: str = "classifier", blocklist: Optional[Iterable[str]] = N
 class ToxicityFilter(Stage):
     """Reject documents whose toxicity score reaches ``threshold``; the reason names the scorer.
 
-    A scorer with a ``score_batch`` method is called on batches of documents (the
-    stream stays lazy: a batch is scored when it is full or the input ends)."""
+    A scorer with a ``worst_lines`` method is called on batches of documents (the
+    stream stays lazy: a batch is scored when it is full or the input ends), and the
+    line that decided a rejection is kept as its evidence."""
 
     name = "toxicity"
 
@@ -114,14 +120,16 @@ class ToxicityFilter(Stage):
     def process(self, doc: Document) -> Outcome:
         return self._decide(doc, self.scorer(doc.text))
 
-    def _decide(self, doc: Document, score: float) -> Outcome:
+    def _decide(self, doc: Document, score: float, line: str = "") -> Outcome:
         if score >= self.threshold:
             doc.meta["toxicity_score"] = round(float(score), 4)
+            if line:
+                doc.meta["evidence"] = line[:200]  # the line that decided, for the rejection bucket
             return self.reason
         return doc
 
     def __call__(self, docs: Iterable[Document], ledger: Ledger) -> Iterator[Document]:
-        if not hasattr(self.scorer, "score_batch"):
+        if not hasattr(self.scorer, "worst_lines"):
             yield from super().__call__(docs, ledger)
             return
         batch: list[Document] = []
@@ -136,8 +144,8 @@ class ToxicityFilter(Stage):
         if not batch:
             return
         start = time.perf_counter()
-        scores = self.scorer.score_batch([doc.text for doc in batch])
-        outcomes = [self._decide(doc, score) for doc, score in zip(batch, scores)]
+        worst = self.scorer.worst_lines([doc.text for doc in batch])
+        outcomes = [self._decide(doc, score, line) for doc, (score, line) in zip(batch, worst)]
         self.stats.seconds += time.perf_counter() - start
         for doc, outcome in zip(batch, outcomes):
             self.stats.docs_in += 1

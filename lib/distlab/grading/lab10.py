@@ -249,8 +249,8 @@ EXERCISES = [
     quiz.choice("Q10.4", "which of these is a payment card number", answer="b", options="abcd",
                 hint="section 4: Luhn, an issuer prefix and a card's grouping must all hold"),
     quiz.number("Q10.5", "terabytes of uint16 shards for 15T tokens", answer=30, rel_tol=0.02,
-                hint="section 6: bytes per token of a uint16 shard, times 15e12, in TB of 1e12 bytes"),
+                hint="section 7: bytes per token of a uint16 shard, times 15e12, in TB of 1e12 bytes"),
     quiz.choice("Q10.6", "DSIR or DoReMi: which learns domain weights with a proxy model", answer="b",
-                options="ab", hint="section 9: one resamples documents by n-gram likelihood ratio, "
+                options="ab", hint="section 10: one resamples documents by n-gram likelihood ratio, "
                                    "the other trains a small model with group DRO over domains"),
 ]
