@@ -83,7 +83,7 @@ class ImportanceResampler:
 
     Both distributions are smoothed categorical models over the hashed features. For a
     fixed-length example the paper's log weight is sum_j count_j * (log p_target_j -
-    log p_raw_j); it selects from 128-word chunks, all the same length. Documents are not:
+    log p_raw_j); it selects among fixed-length examples. Documents are not all one length:
     a raw sum ranks every short page above every long one. So we score a document as a
     ``chunk_tokens``-token example with its own n-gram mix: ``chunk_tokens`` times the mean
     log ratio over its n-grams (for documents of exactly that length, the paper's weight)."""
