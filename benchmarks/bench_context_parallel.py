@@ -129,7 +129,8 @@ def main(argv=None) -> int:
     print(f"({time.perf_counter() - started:.0f} s)")
     if not args.no_save and not args.quick:
         results.save("context_parallel", {"rows": rows, "summary": summary, "seq_len": args.seq_len,
-                                          "heads": args.heads, "head_dim": args.head_dim, "repeats": args.repeats},
+                                          "heads": args.heads, "head_dim": args.head_dim, "repeats": args.repeats,
+                                          "ran_on": f"{cpus} CPU cores (gloo ranks)"},
                      summary)
     missed = [row["world_size"] for row in rows if cpus >= row["world_size"]
               and row["median_s"]["ring causal zigzag"] >= row["median_s"]["ring causal contiguous"]]

@@ -141,7 +141,8 @@ def main(argv=None) -> int:
                  f"(target ≤ {RATIO_TARGET}): {'met' if ratio_met else 'MISSED'}; gradients equal to {grad_diff:.1e}")
     summary = "\n".join(lines)
     print("\n" + summary)
-    data = {"grid": grid, "tolerance": TOLERANCE, "worst_faithful_diff": worst, "bubble_target_met": bubble_met,
+    data = {"ran_on": f"{len(os.sched_getaffinity(0))} CPU cores (gloo ranks, one thread each)",
+            "grid": grid, "tolerance": TOLERANCE, "worst_faithful_diff": worst, "bubble_target_met": bubble_met,
             "ratio": {"p": p_ratio, "m": args.ratio_m, "ours_s": ours, "torch_s": theirs, "ratio": ratio,
                       "target": RATIO_TARGET, "met": ratio_met, "grad_diff": grad_diff},
             "config": {"n_layer": cfg.n_layer, "d_model": cfg.d_model, "seq_len": cfg.seq_len, "rows": args.rows,
