@@ -163,6 +163,10 @@ def test_bad_expert_parallel_layouts_are_one_line_errors():
         M.MoEConfig(balancing="loss")
     with pytest.raises(ValueError, match="k=9"):
         M.MoEConfig(num_experts=8, k=9)
+    with pytest.raises(ValueError, match="capacity_factor=0"):
+        M.MoEConfig(capacity_factor=0)
+    with pytest.raises(RuntimeError, match="needs a process group"):
+        M.MoELayer(8, M.MoEConfig(), expert_parallel=True)
 
 
 def test_deepseek_v3_parameters_and_bytes():

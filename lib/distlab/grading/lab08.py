@@ -345,7 +345,7 @@ def check_moe_layer(moe_fn) -> str:
                               f"{tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__}")
         if not _close(got, expected):
             raise CheckFailed(f"{where}: {_diagnose_layer(got, expected, x, w, k, cf, shared, i, result)}")
-        cotangent = torch.randn(T, d, generator=_generator(_SEED + 70 + i)) / T
+        cotangent = torch.randn(T, d, generator=_generator(_SEED + 70 + i))
         (expected * cotangent).sum().backward()
         (got * cotangent).sum().backward()
         names = ["x", "router weight"] + [f"experts.{name}" for name, _ in experts.named_parameters()]
@@ -405,7 +405,7 @@ class EPCase:
         x, w = skewed_tokens(self.tokens[rank], self.d_model, self.num_experts, skew=0.25, seed=self.seed, rank=rank)
         if self.all_to_one:
             x, w[0] = x.abs(), 5.0 / math.sqrt(self.d_model)  # positive features: expert 0 is everyone's choice
-        cotangent = torch.randn(x.shape, generator=_generator(_SEED + 100 * self.seed + rank)) / 16
+        cotangent = torch.randn(x.shape, generator=_generator(_SEED + 100 * self.seed + rank))
         return x, w, cotangent
 
     def experts(self, ids) -> torch.nn.ModuleList:

@@ -218,6 +218,8 @@ class MoEConfig:
             raise ValueError(f"balancing={self.balancing!r}; expected 'none', 'aux' or 'bias'")
         if not 1 <= self.k <= self.num_experts:
             raise ValueError(f"k={self.k} experts per token, but only {self.num_experts} experts")
+        if self.capacity_factor is not None and self.capacity_factor <= 0:
+            raise ValueError(f"capacity_factor={self.capacity_factor!r} must be positive (None: no limit)")
 
 
 class MoELayer(nn.Module):
@@ -233,6 +235,9 @@ class MoELayer(nn.Module):
         super().__init__()
         self.moe, self.expert_parallel = moe, expert_parallel
         if expert_parallel:
+            if not dist.is_initialized():
+                raise RuntimeError("expert_parallel=True needs a process group: build the layer inside "
+                                   "distlab.launch / distlab.Ranks(n).run, or under torchrun")
             ids = local_expert_ids(moe.num_experts, dist.get_rank(), dist.get_world_size())
         else:
             ids = range(moe.num_experts)
