@@ -535,7 +535,7 @@ EXERCISES = [
     Exercise("8.2", "expert capacity and dropped tokens", 2, check_capacity),
     Exercise("8.3", "Switch load-balancing loss and router z-loss", 2, check_balancing_losses),
     Exercise("8.4", "auxiliary-loss-free bias balancing", 2, check_bias_update),
-    Exercise("8.5", "the MoE layer on one device, with a shared expert", 3, check_moe_layer),
+    Exercise("8.5", "one-device MoE layer with a shared expert", 3, check_moe_layer),
     Exercise("8.6", "expert parallelism with all-to-all", 4, check_expert_parallel),
     quiz.number("Q8.1", "capacity of one expert", answer=expert_capacity(4096, 64, 2, 1.25), rel_tol=0, abs_tol=0.01,
                 hint="see 'Capacity and dropped tokens': ⌈capacity_factor · tokens · k / E⌉"),
