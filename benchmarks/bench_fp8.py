@@ -162,9 +162,9 @@ def main(argv=None) -> int:
         except FileNotFoundError:
             data = {}
         sections = {name: data[name] for name in ("cpu", "cuda") if name in data}
-        sections[key] = {"machine": dict(machine, threads=torch.get_num_threads()), "gemm": gemms, "training": runs, "big_step": big, "summary": text,
-                         "steps": args.steps, "loss_divisor": LOSS_DIVISOR, "last": LAST,
-                         "targets": {"loss": LOSS_TARGET, "speed": SPEED_TARGET}}
+        sections[key] = {"machine": dict(machine, threads=torch.get_num_threads()), "gemm": gemms, "training": runs,
+                         "big_step": big, "summary": text, "steps": args.steps, "loss_divisor": LOSS_DIVISOR,
+                         "last": LAST, "targets": {"loss": LOSS_TARGET, "speed": SPEED_TARGET}}
         results.save("fp8", sections, "\n\n".join(sections[name]["summary"] for name in ("cpu", "cuda")
                                                   if name in sections))
     return 0 if all(met) else 1

@@ -44,10 +44,11 @@ def test_decode_encode_match_torch_on_every_code_and_random_values(fmt):
         if not math.isnan(value):
             assert encode(value, fmt) == code
     rng = random.Random(0)
-    values = [rng.uniform(-1, 1) * 2.0 ** rng.uniform(-20, math.log2(fmt.max)) for _ in range(3000)]
+    values = torch.tensor([rng.uniform(-1, 1) * 2.0 ** rng.uniform(-20, math.log2(fmt.max)) for _ in range(3000)],
+                          dtype=torch.float32).tolist()  # float32 values: PyTorch casts them without double rounding
     finite = sorted(v for v in torch_values if math.isfinite(v) and v >= 0)
     values += [(a + b) / 2 for a, b in zip(finite, finite[1:])]  # every tie
-    expected = torch.tensor(values, dtype=torch.float64).to(fmt.dtype).view(torch.uint8).tolist()
+    expected = torch.tensor(values, dtype=torch.float32).to(fmt.dtype).view(torch.uint8).tolist()
     assert [encode(v, fmt) for v in values] == expected
 
 
@@ -207,7 +208,8 @@ def test_bad_input_is_one_clear_line():
         (lambda: fp8_matmul(aq, wq.t(), torch.ones(17, 2), sw), r"row-wise \(17, 1\) and \(1, 24\)"),
         (lambda: fp8_matmul(aq.float(), wq.t(), sa, sw), "quantize it first"),
         (lambda: fp8_matmul(aq, wq, sa, sw), "inner dimensions differ: a is 17×40, b is 24×40"),
-        (lambda: fp8_matmul(aq.float().to(torch.float8_e5m2), wq.t().float().to(torch.float8_e5m2), sa, sw), "E5M2 × E5M2"),
+        (lambda: fp8_matmul(aq.float().to(torch.float8_e5m2), wq.t().float().to(torch.float8_e5m2), sa, sw),
+         "E5M2 × E5M2"),
         (lambda: fp8_matmul(aq, wq.t(), sa, sw, path="fast"), "path='fast'"),
     ]
     for call, message in cases:
@@ -310,6 +312,18 @@ def test_matmul_throughput_reports_every_path():
 def test_half_precision_names_its_reason():
     dtype, why = fp8.half_precision(torch.device("cpu"))
     assert dtype == torch.bfloat16 and "bf16 on CPU" in why
+
+
+@pytest.mark.usefixtures("no_leftover_ranks")
+def test_fp8_all_gather_on_real_ranks_equals_one_process():
+    run = distlab.launch(fp8.distributed.demo, world_size=2, kwargs=dict(rows=64, cols=32), collective_timeout=30,
+                         show_output=False)
+    shared, own = run[0]["shared scale"], run[0]["own scale"]
+    assert run[0] == run[1] and shared["codes_equal"] and shared["scales_equal"] and shared["relative_error"] < 0.06
+    assert not own["codes_equal"] and own["relative_error"] > 0.5
+    assert shared["payload_bytes"] == 64 * 32 + 2 * 4 and run[0]["bf16"]["payload_bytes"] == 2 * 64 * 32
+    with pytest.raises(distlab.RankFailed, match="rows=64 must be divisible by the world size 3"):
+        distlab.launch(fp8.distributed.demo, world_size=3, kwargs=dict(rows=64), show_output=False)
 
 
 # ---------------------------------------------------------------- checkers

@@ -20,7 +20,8 @@ from distlab.fp8.training import (RECIPES, TrainResult, compute_device, final_lo
                                   matmul_throughput, train_recipe)
 
 __all__ = [
-    "distributed", "FORMATS", "FP8_FORMATS", "Format", "all_codes", "binades", "bit_fields", "decode", "encode", "relative_error",
+    "distributed", "FORMATS", "FP8_FORMATS", "Format", "all_codes", "binades", "bit_fields", "decode", "encode",
+    "relative_error",
     "round_mantissa", "round_to", "Float8Linear", "convert_to_float8", "float8_matmul", "ScaledMMSupport",
     "emulated_scaled_mm", "fp8_matmul", "scale_kind", "scaled_mm_support", "TILE", "DelayedScaling",
     "accumulation_error", "dequantize", "expand_scale", "gradient_underflow", "quantize",

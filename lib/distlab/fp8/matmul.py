@@ -76,14 +76,16 @@ def _support(device: str) -> ScaledMMSupport:
         major, minor = torch.cuda.get_device_capability(dev)
         name = torch.cuda.get_device_name(dev)
         if (major, minor) < (8, 9):
-            return ScaledMMSupport(device, False, False, f"emulated: {name} (compute capability {major}.{minor}) has "
-                                                         f"no FP8 tensor cores; they need 8.9+ (Ada, Hopper, Blackwell)")
+            return ScaledMMSupport(device, False, False,
+                                   f"emulated: {name} (compute capability {major}.{minor}) has no FP8 tensor cores; "
+                                   f"they need 8.9+ (Ada, Hopper, Blackwell)")
         where = f"{name} (compute capability {major}.{minor}): FP8 tensor cores"
     else:
         where = f"{dev.type.upper()} (torch {version}): a reference kernel that dequantises internally; no FP8 units"
     tensorwise = _probe(dev, rowwise=False)
     if not tensorwise:
-        return ScaledMMSupport(device, False, False, f"emulated: torch {version} has no _scaled_mm kernel for {dev.type}")
+        return ScaledMMSupport(device, False, False,
+                               f"emulated: torch {version} has no _scaled_mm kernel for {dev.type}")
     rowwise = _probe(dev, rowwise=True)
     note = "" if rowwise else "; row-wise scales emulated (no row-wise kernel here)"
     return ScaledMMSupport(device, True, rowwise, f"torch._scaled_mm on {where}{note}")
