@@ -319,6 +319,25 @@ def _caller_line() -> str:
     return "?"
 
 
+_NO_FUTURE: set[tuple[str, str]] = set()  # (backend, op) whose works have no future
+
+
+def _on_completion(work, op: str, callback) -> None:
+    """Stamp the true completion time, so overlap shows on the timeline.
+
+    Some works have no future (gloo's point-to-point ones); asking raises a C++ error that captures a
+    backtrace, ~100 µs per message, so each (backend, op) is asked once. Without a future the span
+    ends at ``wait()``.
+    """
+    key = (dist.get_backend() if dist.is_initialized() else "", op)
+    if key in _NO_FUTURE:
+        return
+    try:
+        work.get_future().add_done_callback(callback)
+    except RuntimeError:
+        _NO_FUTURE.add(key)
+
+
 def _finish_event(log: CommLog, index: int) -> None:
     op, size, start, end = log.events[index]
     if end != end:  # NaN: not finished yet
@@ -378,10 +397,7 @@ def _wrap(op: str, real: Callable) -> Callable:
         _unfinished[index] = tracked
         if op == "isend":
             _publish_inflight()
-        try:  # stamp the true completion time, so overlap shows on the timeline
-            work.get_future().add_done_callback(tracked._done)
-        except RuntimeError:
-            pass  # this backend/op has no future; the span then ends at wait()
+        _on_completion(work, op, tracked._done)
         return tracked
 
     counted.__distlab_real__ = real
