@@ -15,7 +15,7 @@ import torch
 import torch.distributed as dist
 
 from distlab.collectives import first_mismatch
-from distlab.grading import CheckFailed
+from distlab.grading import CheckFailed, quiz
 from distlab.grading.registry import Exercise
 from distlab.launcher import CollectiveTimeout, LaunchTimeout, Ranks
 
@@ -170,7 +170,21 @@ def check_mean_across_ranks(student_fn) -> str:
     return f"matches all_reduce / world_size on {cases} random tensors, 2-4 ranks"
 
 
+QUIZ = [
+    quiz.number("Q0.1", "LOCAL_RANK of global rank 11 on nodes of 8 GPUs", answer=3, rel_tol=0,
+                hint="section 3: ranks fill one node after the other; the local rank is the index on its node"),
+    quiz.number("Q0.2", "all_reduce(rank + 1) on 8 ranks", answer=36, rel_tol=0,
+                hint="section 2: every rank ends with the sum of every rank's value"),
+    quiz.choice("Q0.3", "the backend for tensors on GPUs", answer="b", options="abc",
+                hint="section 1: which backend moves CUDA tensors over NVLink and InfiniBand?"),
+    quiz.number("Q0.4", "bytes each rank sends to all-reduce 1000 float32 on 4 ranks", answer=6000, rel_tol=0,
+                hint="section 2: the comm table, 2(N-1)/N * M with M the message's bytes"),
+    quiz.choice("Q0.5", "what the other ranks do when one skips a collective", answer="b", options="abc",
+                hint="the chapter, 'The model': a collective completes only when every rank of the group calls it"),
+]
+
 EXERCISES = [
     Exercise("0.1", "ranks, world size and a first all-reduce", 1, check_rank_sum),
     Exercise("0.2", "the mean across ranks", 1, check_mean_across_ranks),
+    *QUIZ,
 ]
