@@ -47,6 +47,8 @@ def test_one_line_answers_are_blanked_and_nbval_markers_dropped():
     assert exercise_ids(nb) == ["Q4.1", "Q4.2"]
     assert make_lab(nb).cells[0].source == ("q4_1 = ...  # your answer\nanswers['b'] = ...  # your answer\n"
                                             "distlab.check('Q4.1', q4_1)")
+    nb.cells = [nbformat.v4.new_code_cell("# NBVAL_IGNORE_OUTPUT  (timings)\nx = 1\n  #NBVAL_SKIP\ny = 2")]
+    assert make_lab(nb).cells[0].source == "x = 1\ny = 2"  # a marker line goes whole, comment and all
 
 
 def test_unbalanced_markers_are_an_error_not_a_leak():

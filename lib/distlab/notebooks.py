@@ -203,14 +203,17 @@ def serve_kernels(address: str) -> None:
     os.environ.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
     import ipykernel.kernelapp  # noqa: F401  what every kernel imports
     import matplotlib.pyplot  # noqa: F401
-    import multiprocessing.forkserver
-
     import distlab.launcher
     from distlab.grading.registry import all_exercises
 
     all_exercises()  # imports every lab's checkers (and through them the topic modules)
-    if distlab.launcher._forkserver_context().get_start_method() == "forkserver":
-        multiprocessing.forkserver.ensure_running()
+    context = distlab.launcher._forkserver_context()
+    if context.get_start_method() == "forkserver":
+        # The server answers only once it has imported torch: fork one process through it now, so that
+        # the kernels' first launch does not wait for those imports.
+        probe = context.Process(target=os.getpid, name="distlab-factory-probe")
+        probe.start()
+        probe.join()
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(address)
     listener.listen(64)
@@ -391,6 +394,8 @@ class NotebookGrade:
     error: str | None = None  # execution stopped early: a time limit, a dead kernel
     cell_errors: list[dict] = field(default_factory=list)  # cells that raised: cell, ename, message
     seconds: float = 0.0
+    startup: float = 0.0  # seconds before the first cell ran: kernel start and connection
+    slowest_cells: list[list] = field(default_factory=list)  # [cell index, seconds], the three slowest
 
     @property
     def points(self) -> int:
@@ -437,7 +442,7 @@ async def _grade_one(path: Path, student: str, manager_class, timeout: float, ce
     grade = NotebookGrade(str(path), student)
     started = time.monotonic()
     deadline = started + timeout
-    running = {"cell": None}
+    running: dict = {"cell": None, "started": {}, "seconds": {}}
     with tempfile.TemporaryDirectory(prefix="distlab-grade-") as tmp:
         report = Path(tmp) / "report.jsonl"
         report.touch()
@@ -449,7 +454,14 @@ async def _grade_one(path: Path, student: str, manager_class, timeout: float, ce
         if notebook is not None:
             client = _client(notebook, path, manager_class, True,
                              lambda cell: max(1.0, min(cell_timeout or timeout, deadline - time.monotonic())))
-            client.on_cell_start = lambda cell, cell_index: running.update(cell=cell_index)
+            def cell_start(cell, cell_index):
+                running["cell"] = cell_index
+                running["started"][cell_index] = time.monotonic()
+
+            def cell_executed(cell, cell_index, execute_reply):
+                running["seconds"][cell_index] = time.monotonic() - running["started"][cell_index]
+
+            client.on_cell_start, client.on_cell_executed = cell_start, cell_executed
             try:
                 await client.async_execute(env=dict(os.environ, **{REPORT_ENV: str(report)}))
             except CellTimeoutError:
@@ -477,6 +489,10 @@ async def _grade_one(path: Path, student: str, manager_class, timeout: float, ce
                                     "max_points": e.points, "detail": "its check cell never ran",
                                     "label": e.label})
     grade.seconds = time.monotonic() - started
+    if running["started"]:
+        grade.startup = min(running["started"].values()) - started
+    slowest = sorted(running["seconds"].items(), key=lambda item: -item[1])[:3]
+    grade.slowest_cells = [[index, round(seconds, 2)] for index, seconds in slowest]
     return grade
 
 
@@ -552,7 +568,7 @@ def class_report(grades: list[NotebookGrade], threshold: float = DEFAULT_THRESHO
         rank[g.lab] = rank.get(g.lab, 0) + 1
         notebooks.append(dict(asdict(g), lab=g.lab, rank=rank[g.lab], points=g.points, max_points=g.max_points,
                               fraction=round(g.fraction, 4), passed=g.fraction >= threshold - 1e-9,
-                              seconds=round(g.seconds, 1)))
+                              seconds=round(g.seconds, 1), startup=round(g.startup, 2)))
     exercises = {}
     for g in grades:
         for e in g.exercises:
