@@ -600,7 +600,7 @@ def format_report(report: dict) -> str:
         rows = [n for n in report["notebooks"] if n["lab"] == lab]
         ids = sorted({e["id"] for n in rows for e in n["exercises"]}, key=sort_key)
         name_w = max([len("student")] + [len(n["student"]) for n in rows])
-        points_w = max(len(f"{n['points']}/{n['max_points']}") for n in rows)
+        points_w = max([len("points")] + [len(f"{n['points']}/{n['max_points']}") for n in rows])
         head = f"{'rank':>4}  {'student':<{name_w}}  {'points':>{points_w}}  {'%':>4}  " + " ".join(
             f"{i:^{max(len(i), 1)}}" for i in ids) + "  result  seconds"
         title = f"lab {lab:02d}" if lab is not None else "notebooks"
