@@ -21,7 +21,7 @@ from distlab.reference import max_abs_diff, train_reference
 pytestmark = [pytest.mark.timeout(120)]
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32)
-FAST = dict(collective_timeout=3.0)  # the checkers' setting: tests and checkers share the warm groups
+FAST = dict(collective_timeout=lab03.COLLECTIVE_TIMEOUT)  # the checkers' setting: tests and checkers share the warm groups
 STEPS, BATCH = 3, 8  # 8 rows: 2 per rank on 4 ranks, 4 per rank on 2
 
 
