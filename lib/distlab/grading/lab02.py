@@ -20,7 +20,7 @@ import torch.distributed as dist
 
 from distlab.collectives import ring_all_gather_bytes, ring_all_reduce_bytes
 from distlab.grading import CheckFailed, quiz
-from distlab.grading.lab00 import WORLD_SIZES, compare_tensor, random_tensor, rank_group, run_job
+from distlab.grading.lab00 import WORLD_SIZES, compare_tensor, raise_if_untouched, random_tensor, rank_group, run_job
 from distlab.grading.registry import Exercise
 
 P2P_SENDS = ("send", "isend")
@@ -111,6 +111,7 @@ def _describe_case(n: int, shape, dtype) -> tuple[int, int, str]:
 
 
 def _check_all_reduce(student_fn, p2p: bool, tree: bool = False) -> int:
+    raise_if_untouched(student_fn)
     rng = random.Random()
     cases = 0
     what_fn = "your tree" if tree else "your ring" if p2p else "your all-reduce"
@@ -162,6 +163,7 @@ def _all_gather_job(student_fn, shape, dtype, seed):
 
 def check_ring_all_gather(student_fn) -> str:
     """``student_fn(tensor)`` returns a list whose entry i is rank i's tensor, from send/recv."""
+    raise_if_untouched(student_fn)
     rng = random.Random()
     cases = 0
     for n in WORLD_SIZES:

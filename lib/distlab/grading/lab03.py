@@ -29,6 +29,7 @@ import torch.distributed as dist
 from distlab.data_parallel import (OverlappedDDP, assign_buckets, build_model, gradient_bytes, local_batches,
                                    reference_run, train_step)
 from distlab.grading import CheckFailed, quiz
+from distlab.grading.lab00 import raise_if_untouched
 from distlab.grading.registry import Exercise
 from distlab.model import GPTConfig
 from distlab.reference import make_optimizer
@@ -36,8 +37,8 @@ from distlab.reference import make_optimizer
 _SEED = 3_2024
 STEPS = 3
 ATOL = 1e-6
-COLLECTIVE_TIMEOUT = 10.0  # seconds: a deadlock fails within seconds, a rank slowed by a busy machine does not
-JOB_TIMEOUT = 30.0
+COLLECTIVE_TIMEOUT = 30.0  # seconds: long enough for a rank starved on a busy machine; a deadlock still fails
+JOB_TIMEOUT = 120.0  # seconds for one job: an endless loop, on a machine that may be busy
 
 __all__ = ["EXERCISES", "QUIZ", "Case", "compare_with_reference", "describe_factor", "check_naive_ddp",
            "check_bucketed_ddp", "check_overlapped_ddp", "check_gradient_accumulation"]
@@ -271,6 +272,7 @@ def check_communication(run, case: Case, expected_calls: int | None = None) -> N
 
 def check_naive_ddp(broadcast_parameters, allreduce_gradients) -> str:
     """3.1: ``broadcast_parameters(model)`` and ``allreduce_gradients(model)`` (mean over ranks)."""
+    raise_if_untouched(broadcast_parameters, allreduce_gradients)
     rng = random.Random(_SEED + 1)
     cases = [_case(rng, "gpt", tied=True), _case(rng, "edge")]
     for case in cases:
@@ -354,6 +356,7 @@ def _train_and_verify_buckets(worker, case: Case, *student_code):
 
 def check_bucketed_ddp(assign_buckets_fn, allreduce_buckets_fn) -> str:
     """3.2: ``assign_buckets(params, bucket_cap_bytes)`` and ``allreduce_buckets(buckets)``."""
+    raise_if_untouched(assign_buckets_fn, allreduce_buckets_fn)
     rng = random.Random(_SEED + 2)
     n_assign = _check_bucket_assignment(assign_buckets_fn, rng)
     cases = [_case(rng, "gpt"), _case(rng, "edge")]
@@ -382,6 +385,7 @@ def _check_overlap(run, case: Case) -> None:
 
 def check_overlapped_ddp(ddp_class) -> str:
     """3.3: a DDP class ``ddp_class(module, bucket_cap_bytes)`` whose hooks launch async bucket all-reduces."""
+    raise_if_untouched(ddp_class)
     rng = random.Random(_SEED + 3)
     cases = [_case(rng, "gpt", tied=True), _case(rng, "edge")]
     for case in cases:
@@ -420,6 +424,7 @@ def _check_no_sync_context(no_sync) -> None:
 
 def check_gradient_accumulation(no_sync, train_accumulated) -> str:
     """3.4: ``no_sync(ddp)`` context and ``train_accumulated(ddp, optimizer, micro_batches)``."""
+    raise_if_untouched(train_accumulated)
     _check_no_sync_context(no_sync)
     rng = random.Random(_SEED + 4)
     cases = [_case(rng, "gpt", rows=1), _case(rng, "edge", rows=1)]
