@@ -174,9 +174,11 @@ def test_a_ring_or_a_builtin_is_no_tree():
         check_tree_all_reduce(naive_all_reduce)
 
 
-def test_deadlocked_ring_fails_fast(monkeypatch, no_leftover_ranks):
+def test_deadlocked_ring_fails_fast_with_the_hint_for_what_happened(monkeypatch, no_leftover_ranks):
     monkeypatch.setattr(lab00, "COLLECTIVE_TIMEOUT", 1.5)
-    with pytest.raises(CheckFailed, match=r"your ring deadlocked on 2 ranks: .*use dist.isend"):
+    with pytest.raises(CheckFailed, match=r"^your ring deadlocked on 2 ranks: every rank waits to receive \(rank 0 "
+                                          r"waits for rank 1, rank 1 waits for rank 0\) and none is sending.* Hint: start "
+                                          r"each send before the matching receive \(dist.isend\)"):
         check_ring_all_reduce(deadlocking_ring)
 
 

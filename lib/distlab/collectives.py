@@ -42,7 +42,7 @@ __all__ = [
     "tree_steps", "tree_all_reduce_bytes", "all_reduce_cost", "ring_all_reduce_time", "tree_all_reduce_time",
     "fit_alpha_beta", "crossover_bytes", "measured_crossover", "bus_bandwidth", "time_all_reduce",
     "bandwidth_sweep", "format_sweep", "human_bytes", "human_rate", "median_time", "first_mismatch", "KiB", "MiB",
-    "SEGMENT_BYTES",
+    "SEGMENT_BYTES", "ring_peers",
 ]
 
 KiB, MiB = 2**10, 2**20
@@ -102,7 +102,7 @@ def split_chunks(flat: torch.Tensor, n: int) -> list[torch.Tensor]:
     return list(torch.split(flat, chunk_sizes(flat.numel(), n)))
 
 
-def _ring_peers(group) -> tuple[int, int, int, int]:
+def ring_peers(group) -> tuple[int, int, int, int]:
     """(my index in the group, group size, global rank of my right neighbour, of my left one)."""
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     right, left = (rank + 1) % n, (rank - 1) % n
@@ -149,7 +149,7 @@ def ring_all_reduce(tensor: torch.Tensor, group=None, segment_bytes: int | None 
     ring of exercise 2.1, one message per step. Either way each rank sends
     2(N-1)/N * M bytes.
     """
-    rank, n, right, left = _ring_peers(group)
+    rank, n, right, left = ring_peers(group)
     if n == 1:
         return tensor
     work = tensor if tensor.is_contiguous() else tensor.contiguous()
@@ -269,7 +269,7 @@ def ring_all_gather(tensor: torch.Tensor, group=None) -> list[torch.Tensor]:
     receives the piece of rank (r - s - 1) mod N from the left: N-1 steps, each
     rank sends (N-1) pieces, i.e. (N-1)/N of the gathered output.
     """
-    rank, n, right, left = _ring_peers(group)
+    rank, n, right, left = ring_peers(group)
     pieces = [torch.empty_like(tensor) for _ in range(n)]
     pieces[rank].copy_(tensor)
     for step in range(n - 1):

@@ -11,7 +11,7 @@ from __future__ import annotations
 import torch
 import torch.distributed as dist
 
-from distlab.collectives import _ring_peers
+from distlab.collectives import ring_peers
 from distlab.context_parallel.blocks import (SEQ_DIM, _check_layout, attention_block, attention_block_backward,
                                              layout_positions, merge_attention)
 
@@ -24,7 +24,7 @@ def ring_pass(send: torch.Tensor, recv: torch.Tensor, group=None, tag: int = _KV
     One ``batch_isend_irecv`` for both: NCCL runs the pair as one group (a ring of plain sends
     could deadlock there), gloo progresses both on its I/O threads while this thread computes.
     """
-    _, _, right, left = _ring_peers(group)
+    _, _, right, left = ring_peers(group)
     return dist.batch_isend_irecv([dist.P2POp(dist.isend, send, right, group, tag),
                                    dist.P2POp(dist.irecv, recv, left, group, tag)])
 
@@ -46,7 +46,7 @@ def ring_attention_forward(q, k, v, causal: bool = False, layout: str = "contigu
     the wire; a block this rank's queries cannot see (causal) is passed on, never computed.
     ``overlap=False`` posts each transfer only after the block's compute (the serial baseline).
     """
-    rank, world, _, _ = _ring_peers(group)
+    rank, world, _, _ = ring_peers(group)
     seq_len = q.shape[SEQ_DIM] * world
     _check_layout(seq_len, world, layout)
     q_pos = _positions(causal, seq_len, world, rank, layout)
@@ -75,7 +75,7 @@ def ring_attention_backward(dout, q, k, v, out, lse, causal: bool = False, layou
     K/V go around the ring again; each block's dK/dV accumulator travels with it, collecting
     every rank's contribution, and one last pass brings it home to the block's owner. dQ stays.
     """
-    rank, world, _, _ = _ring_peers(group)
+    rank, world, _, _ = ring_peers(group)
     seq_len = q.shape[SEQ_DIM] * world
     q_pos = _positions(causal, seq_len, world, rank, layout)
     delta = (dout.float() * out.float()).sum(-1)

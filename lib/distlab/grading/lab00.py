@@ -36,11 +36,9 @@ def rank_group(world_size: int, what: str):
     try:
         yield ranks
     except CollectiveTimeout as hang:
-        raise CheckFailed(
-            f"{what} deadlocked on {world_size} ranks: {_first_line(hang)} Every send needs a matching "
-            "recv on the neighbour, in the same order; if every rank makes a blocking dist.send first, nobody "
-            "is receiving (use dist.isend and dist.irecv, then wait on both)."
-        ) from None
+        # The launcher says what it saw (everyone receiving, everyone sending, sends to the wrong neighbour,
+        # a missing call) and what to check for that case; the hint is its, not a fixed guess.
+        raise CheckFailed(f"{what} deadlocked on {world_size} ranks: {_first_line(hang)} Hint: {hang.hint}") from None
     except LaunchTimeout:
         raise CheckFailed(f"{what} did not finish within {JOB_TIMEOUT:g} s on {world_size} ranks "
                           "(an endless loop?)") from None
