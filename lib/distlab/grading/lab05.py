@@ -7,7 +7,9 @@ same dense layer and compares every rank's output, input gradient and parameter 
 with the matching slices of the dense ones (fp32, 1e-5), and the collectives each phase
 issued (from distlab's comm log) with what Megatron-LM's layer issues. Failure messages name
 the case, the rank, the tensor and, where a mistake has a signature, its usual cause.
-An untouched stub's ``NotImplementedError`` propagates and is reported as "not attempted".
+An untouched stub's ``NotImplementedError`` propagates and is reported as "not attempted" — found by
+calling the student's code once in this process first (:func:`_stub_probe`), so an unfinished lab
+starts no ranks for it.
 """
 
 from __future__ import annotations
@@ -85,6 +87,22 @@ def _launch(worker, *args):
     except CollectiveTimeout as error:
         raise CheckFailed(f"the ranks deadlocked ({str(error).splitlines()[0]}): every rank of a TP group must "
                           f"make the same collective calls, on the TP group (group=...)") from None
+
+
+def _stub_probe(*calls) -> None:
+    """Call the student's code once in this process, where there is no process group.
+
+    An untouched stub raises ``NotImplementedError`` at once: it propagates ("not attempted")
+    without starting ranks. Any other error — a collective needs the group this process does
+    not have — is left to the real check on ranks.
+    """
+    for call in calls:
+        try:
+            call()
+        except NotImplementedError:
+            raise
+        except Exception:
+            pass
 
 
 # ---------------------------------------------------------------- comparing
@@ -169,6 +187,8 @@ def _worker_conjugate(f, g, case: Case) -> dict:
 
 def check_conjugate_functions(f, g) -> str:
     """5.1: ``f(x, group)`` identity forward / all-reduce backward; ``g(x, group)`` the reverse."""
+    _stub_probe(lambda: f(torch.zeros(2, requires_grad=True), None).sum().backward(),
+                lambda: g(torch.zeros(2, requires_grad=True), None).sum().backward())
     rng = random.Random(_SEED + 1)
     cases = _cases(rng)
     for case in cases:
@@ -261,6 +281,8 @@ def _dense_pass(layer, x, upstream):
 
 def check_parallel_linears(column_cls, row_cls) -> str:
     """5.2: ``ColumnParallelLinear(dense, group, rows=None, gather_output=False)`` and ``RowParallelLinear(dense, group)``."""
+    _stub_probe(lambda: column_cls(nn.Linear(4, 4), None)(torch.zeros(1, 4)),
+                lambda: row_cls(nn.Linear(4, 4), None)(torch.zeros(1, 4)))
     rng = random.Random(_SEED + 2)
     cases = _cases(rng)
     for case in cases:
@@ -344,6 +366,8 @@ def _worker_module(module_cls, kind: str, case: Case, n_head: int) -> dict:
 
 
 def _check_module(module_cls, kind: str, rng: random.Random, what: str, heads, hints: dict) -> list[Case]:
+    small = _dense_block(GPTConfig(vocab_size=8, seq_len=4, n_layer=1, n_head=2, d_model=8), 0)
+    _stub_probe(lambda: module_cls(getattr(small, kind), None)(torch.zeros(1, 4, 8)))
     cases = _cases(rng)
     for case in cases:
         n_head = heads(rng, case)
@@ -433,6 +457,8 @@ def _worker_vocab(embedding_cls, loss_fn, case: Case) -> dict:
 
 def check_vocab_parallel(embedding_cls, loss_fn) -> str:
     """5.5: ``VocabParallelEmbedding(embedding, group)`` and ``vocab_parallel_cross_entropy(logits, targets, group)``."""
+    _stub_probe(lambda: embedding_cls(nn.Embedding(8, 4), None)(torch.zeros(1, 2, dtype=torch.long)),
+                lambda: loss_fn(torch.zeros(1, 2, 8, requires_grad=True), torch.zeros(1, 2, dtype=torch.long), None))
     rng = random.Random(_SEED + 5)
     cases = _cases(rng, d_out=lambda rng: 4 * rng.randint(4, 12))
     for case in cases:
@@ -526,6 +552,8 @@ def _worker_sequence(gather_fn, scatter_fn, case: Case) -> dict:
 
 def check_sequence_parallel(gather_fn, scatter_fn) -> str:
     """5.6: ``gather_sequence(x, group)`` (all-gather / reduce-scatter) and ``reduce_scatter_sequence(x, group)``."""
+    _stub_probe(lambda: gather_fn(torch.zeros(1, 2, 4, requires_grad=True), None).sum().backward(),
+                lambda: scatter_fn(torch.zeros(1, 2, 4, requires_grad=True), None).sum().backward())
     rng = random.Random(_SEED + 6)
     cases = _cases(rng)
     for case in cases:

@@ -82,20 +82,25 @@ def tp_step(cfg: GPTConfig, tp: int, sequence_parallel: bool = False, batch: int
 
 
 def train_worker(cfg: GPTConfig, tp: int, sequence_parallel: bool = False, steps: int = 20, batch: int = 8,
-                 lr: float = 1e-3, seed: int = 0, data_seed: int = 0, warmup: int = 0) -> dict:
+                 lr: float = 1e-3, seed: int = 0, data_seed: int = 0, warmup: int = 0,
+                 first_group_only: bool = False) -> dict | None:
     """Train the TP GPT with AdamW (each rank updates its own slices: Adam is elementwise).
 
-    Returns the losses (equal on every rank), per-step times (barrier to barrier, after
-    ``warmup`` untimed steps) and the seconds spent inside collectives per timed step.
+    Returns the losses (equal on every rank of a group) and per-step times (TP-group barrier
+    to barrier, after ``warmup`` untimed steps); forward/backward/optimizer are timeline spans.
+    ``first_group_only``: only ranks ``0 … tp-1`` train, the others return ``None`` at once —
+    to time ``tp`` ranks without more processes than that competing for the cores.
     """
     check_tp_sizes(cfg, tp, sequence_parallel)
     group, dev = tp_group(tp), _device()
+    if first_group_only and dist.get_rank() >= tp:
+        return None
     model = TensorParallelGPT(GPT(cfg, seed=seed).to(dev), group, sequence_parallel=sequence_parallel)
     opt = make_optimizer(model.parameters(), "adamw", lr=lr)
     losses, times = [], []
     for step in range(warmup + steps):
         x, y = (t.to(dev) for t in synthetic_batch(cfg, batch, step, seed=data_seed))
-        dist.barrier()
+        dist.barrier(group=group)
         start = time.perf_counter()
         with span("forward"):
             _, loss = model(x, y)
@@ -108,7 +113,7 @@ def train_worker(cfg: GPTConfig, tp: int, sequence_parallel: bool = False, steps
         losses.append(loss.item())
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
-        dist.barrier()
+        dist.barrier(group=group)
         if step >= warmup:
             times.append(time.perf_counter() - start)
     return {"tp_rank": tp_rank(group), "losses": losses[warmup:], "step_times": times}
