@@ -22,7 +22,7 @@ from distlab.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, Te
 from distlab.tensor_parallel import theory
 from distlab.tensor_parallel.workers import dtensor_step, tp_step, train, train_worker
 
-pytestmark = [pytest.mark.timeout(180)]
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_thread")]
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=4, d_model=32)
 BATCH = 4
