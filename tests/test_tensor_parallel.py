@@ -20,7 +20,8 @@ from distlab.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, Te
                                      qkv_rows, reduce_from_tp, reduce_scatter_sequence, shard_of, shard_state,
                                      vocab_parallel_cross_entropy)
 from distlab.tensor_parallel import theory
-from distlab.tensor_parallel.workers import dtensor_step, tp_step, train, train_worker
+from distlab.tensor_parallel.communication import all_gather_linear
+from distlab.tensor_parallel.workers import choose_precision, dtensor_step, tp_step, train, train_worker
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_thread")]
 
@@ -107,6 +108,24 @@ def test_collective_formulas():
     # one 70B layer's all-reduce (4096 tokens, bf16) on 8 GPUs: 2·7/8·64 MiB over the link
     seconds = theory.tp_allreduce_seconds(4096, 1, 8192, 8, 50e9)
     assert seconds == pytest.approx(2 * 7 / 8 * 64 * 2**20 / 50e9)
+
+
+def test_gather_linear_backward_runs_in_the_forward_precision():
+    """Under autocast the fused gather-linear's backward matmuls follow the bf16 forward (world of one here)."""
+    x, w, b = torch.randn(2, 4, 8), torch.randn(6, 8), torch.randn(6)
+    grads = []
+    for fn in (all_gather_linear, lambda x, w, b: torch.nn.functional.linear(x, w, b)):
+        leaves = [t.clone().requires_grad_(True) for t in (x, w, b)]
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            y = fn(*leaves)
+        assert y.dtype == torch.bfloat16
+        y.float().square().sum().backward()
+        grads.append([t.grad for t in leaves])
+    for ours, torch_grad in zip(*grads):
+        assert ours.dtype == torch.float32 and torch.allclose(ours, torch_grad, rtol=2e-2, atol=2e-2)
+    assert choose_precision("auto", torch.device("cpu"))[0] is None
+    with pytest.raises(ValueError, match="needs a GPU with bf16"):
+        choose_precision("bf16", torch.device("cpu"))
 
 
 # ---------------------------------------------------------------- on ranks: equal to the dense model

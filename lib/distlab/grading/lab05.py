@@ -26,10 +26,9 @@ from distlab.grading import CheckFailed
 from distlab.grading import quiz
 from distlab.grading.registry import Exercise
 from distlab.model import Block, GPTConfig
-from distlab.tensor_parallel.communication import tp_group, tp_rank
+from distlab.tensor_parallel.communication import comm_since, comm_snapshot, tp_group, tp_rank
 from distlab.tensor_parallel.gpt import shard_of
 from distlab.tensor_parallel.layers import qkv_rows, shard_range
-from distlab.tensor_parallel.workers import comm_since, comm_snapshot
 
 __all__ = ["EXERCISES", "Case", "check_conjugate_functions", "check_parallel_linears", "check_parallel_mlp",
            "check_parallel_attention", "check_vocab_parallel", "check_sequence_parallel"]

@@ -28,11 +28,13 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
+from distlab import comm
+
 __all__ = [
     "tp_size", "tp_rank", "tp_group", "copy_to_tp", "reduce_from_tp", "gather_from_tp", "gather_sequence",
     "reduce_scatter_sequence", "all_gather_linear", "all_gather_sequence", "reduce_scatter_along_sequence",
     "CopyToTensorParallel", "ReduceFromTensorParallel", "GatherFromTensorParallel", "GatherSequence",
-    "ReduceScatterSequence", "AllGatherLinear", "collective_counts", "COLLECTIVE_KINDS",
+    "ReduceScatterSequence", "AllGatherLinear", "collective_counts", "comm_snapshot", "comm_since", "COLLECTIVE_KINDS",
 ]
 
 
@@ -186,28 +188,29 @@ class AllGatherLinear(torch.autograd.Function):
     Backward gathers ``x`` again (issued asynchronously, so it runs while the input
     gradient is computed) and reduce-scatters the input gradient (issued asynchronously
     while the weight gradient is computed): the Megatron-LM sequence-parallel linear.
+    Under autocast the backward matmuls run in the incoming gradient's dtype, as forward did.
     """
 
     @staticmethod
     def forward(ctx, x, weight, bias, group=None):
-        ctx.group, ctx.has_bias = group, bias is not None
+        ctx.group, ctx.bias_dtype = group, None if bias is None else bias.dtype
         ctx.save_for_backward(x, weight)
         return F.linear(all_gather_sequence(x, group), weight, bias)
 
     @staticmethod
     def backward(ctx, grad_out):
         x, weight = ctx.saved_tensors
-        group, t = ctx.group, tp_size(ctx.group)
+        group, t, dtype = ctx.group, tp_size(ctx.group), grad_out.dtype
         if t > 1:
             full = torch.empty((t * x.shape[0], *x.shape[1:]), dtype=x.dtype, device=x.device)
             gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
             gathering = gather(full, x.contiguous(), group=group, async_op=True)
-        grad_full = grad_out @ weight  # overlaps with the all-gather
+        grad_full = grad_out @ weight.to(dtype)  # overlaps with the all-gather
         grad_x = scattering = None
         if ctx.needs_input_grad[0]:
             if t > 1:
                 stacked = grad_full.reshape(x.shape[0], t, *x.shape[1:]).transpose(0, 1).reshape(-1, *x.shape[1:])
-                grad_x = torch.empty_like(x)
+                grad_x = torch.empty(x.shape, dtype=dtype, device=x.device)
                 scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
                 scattering = scatter(grad_x, stacked, group=group, async_op=True)
             else:
@@ -218,11 +221,11 @@ class AllGatherLinear(torch.autograd.Function):
         else:
             full = x
         grad_2d = grad_out.reshape(-1, grad_out.shape[-1])
-        grad_w = grad_2d.t() @ full.reshape(-1, full.shape[-1])  # overlaps with the reduce-scatter
-        grad_b = grad_2d.sum(0) if ctx.has_bias else None
+        grad_w = grad_2d.t() @ full.reshape(-1, full.shape[-1]).to(dtype)  # overlaps with the reduce-scatter
+        grad_b = None if ctx.bias_dtype is None else grad_2d.sum(0).to(ctx.bias_dtype)
         if scattering is not None:
             scattering.wait()
-        return grad_x, grad_w, grad_b, None
+        return (None if grad_x is None else grad_x.to(x.dtype)), grad_w.to(weight.dtype), grad_b, None
 
 
 def copy_to_tp(x: torch.Tensor, group=None) -> torch.Tensor:
@@ -277,3 +280,16 @@ def collective_counts(ops: dict) -> dict[str, tuple[int, int]]:
         calls, payload = counts.get(kind, (0, 0))
         counts[kind] = (calls + stats.calls, payload + stats.payload_bytes)
     return counts
+
+
+def comm_snapshot() -> dict[str, tuple[int, int]]:
+    """This rank's collectives so far: ``{kind: (calls, payload bytes)}``."""
+    return collective_counts(comm.current_log().ops)
+
+
+def comm_since(before: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
+    """The collectives issued since ``before`` (a :func:`comm_snapshot`)."""
+    now = comm_snapshot()
+    diff = {kind: (calls - before.get(kind, (0, 0))[0], payload - before.get(kind, (0, 0))[1])
+            for kind, (calls, payload) in now.items()}
+    return {kind: value for kind, value in diff.items() if value[0]}

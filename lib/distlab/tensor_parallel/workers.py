@@ -14,34 +14,21 @@ Each takes ``tp`` (the TP degree): with ``tp`` smaller than the world, the ranks
 
 from __future__ import annotations
 
+import contextlib
 import statistics
 import time
 
 import torch
 import torch.distributed as dist
 
-from distlab import comm
 from distlab.memory import ActivationMeter
 from distlab.model import GPT, GPTConfig, synthetic_batch
 from distlab.reference import make_optimizer
-from distlab.tensor_parallel.communication import collective_counts, tp_group, tp_rank
+from distlab.tensor_parallel.communication import comm_since, comm_snapshot, tp_group, tp_rank
 from distlab.tensor_parallel.gpt import TensorParallelGPT, check_tp_sizes
 from distlab.timeline import span
 
-__all__ = ["comm_snapshot", "comm_since", "tp_step", "train_worker", "dtensor_step", "train"]
-
-
-def comm_snapshot() -> dict[str, tuple[int, int]]:
-    """This rank's collectives so far: ``{kind: (calls, payload bytes)}``."""
-    return collective_counts(comm.current_log().ops)
-
-
-def comm_since(before: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
-    """The collectives issued since ``before`` (a :func:`comm_snapshot`)."""
-    now = comm_snapshot()
-    diff = {kind: (calls - before.get(kind, (0, 0))[0], payload - before.get(kind, (0, 0))[1])
-            for kind, (calls, payload) in now.items()}
-    return {kind: value for kind, value in diff.items() if value[0]}
+__all__ = ["tp_step", "train_worker", "choose_precision", "dtensor_step", "train"]
 
 
 def _device() -> torch.device:
@@ -83,13 +70,14 @@ def tp_step(cfg: GPTConfig, tp: int, sequence_parallel: bool = False, batch: int
 
 def train_worker(cfg: GPTConfig, tp: int, sequence_parallel: bool = False, steps: int = 20, batch: int = 8,
                  lr: float = 1e-3, seed: int = 0, data_seed: int = 0, warmup: int = 0,
-                 first_group_only: bool = False) -> dict | None:
+                 first_group_only: bool = False, autocast: torch.dtype | None = None) -> dict | None:
     """Train the TP GPT with AdamW (each rank updates its own slices: Adam is elementwise).
 
-    Returns the losses (equal on every rank of a group) and per-step times (TP-group barrier
-    to barrier, after ``warmup`` untimed steps); forward/backward/optimizer are timeline spans.
-    ``first_group_only``: only ranks ``0 … tp-1`` train, the others return ``None`` at once —
-    to time ``tp`` ranks without more processes than that competing for the cores.
+    Returns the losses of every step (equal on every rank of a group) and the step times
+    (TP-group barrier to barrier) of the steps after ``warmup``; forward/backward/optimizer
+    are timeline spans. ``first_group_only``: only ranks ``0 … tp-1`` train, the others
+    return ``None`` at once — to time ``tp`` ranks without more processes than that competing
+    for the cores. ``autocast``: a dtype to run forward in on a GPU (fp32 weights and Adam).
     """
     check_tp_sizes(cfg, tp, sequence_parallel)
     group, dev = tp_group(tp), _device()
@@ -102,7 +90,7 @@ def train_worker(cfg: GPTConfig, tp: int, sequence_parallel: bool = False, steps
         x, y = (t.to(dev) for t in synthetic_batch(cfg, batch, step, seed=data_seed))
         dist.barrier(group=group)
         start = time.perf_counter()
-        with span("forward"):
+        with span("forward"), _autocast(dev, autocast):
             _, loss = model(x, y)
         with span("backward"):
             loss.backward()
@@ -116,7 +104,30 @@ def train_worker(cfg: GPTConfig, tp: int, sequence_parallel: bool = False, steps
         dist.barrier(group=group)
         if step >= warmup:
             times.append(time.perf_counter() - start)
-    return {"tp_rank": tp_rank(group), "losses": losses[warmup:], "step_times": times}
+    return {"tp_rank": tp_rank(group), "losses": losses, "step_times": times}
+
+
+def _autocast(dev: torch.device, dtype: torch.dtype | None):
+    return torch.autocast(dev.type, dtype=dtype) if dtype is not None else contextlib.nullcontext()
+
+
+def choose_precision(precision: str, dev: torch.device) -> tuple[torch.dtype | None, str]:
+    """``"auto"``: bf16 autocast on a GPU that has bf16 (compute capability 8.0+), else fp32; and why."""
+    if precision not in ("auto", "bf16", "fp32"):
+        raise ValueError(f"precision must be 'auto', 'bf16' or 'fp32', got {precision!r}")
+    has_bf16 = dev.type == "cuda" and torch.cuda.is_bf16_supported()
+    if precision == "bf16" and not has_bf16:
+        raise ValueError("precision='bf16' needs a GPU with bf16 (compute capability 8.0+); on the CPU, gloo "
+                         "reduces in fp32: use precision='fp32'")
+    if precision == "fp32" or not has_bf16:
+        if precision == "fp32":
+            why = "as asked"
+        elif dev.type != "cuda":
+            why = "CPU ranks: gloo reduces in fp32"
+        else:
+            why = f"{torch.cuda.get_device_name(dev)} has no bf16"
+        return None, f"precision: fp32 ({why})"
+    return torch.bfloat16, f"precision: bf16 autocast on {torch.cuda.get_device_name(dev)}, fp32 weights and Adam"
 
 
 def dtensor_step(cfg: GPTConfig, kind: str, tp: int, sequence_parallel: bool = False, batch: int = 2,
@@ -191,12 +202,13 @@ def _undo_rank_major(rank_major: torch.Tensor, cfg: GPTConfig, tp: int) -> torch
 
 def train(steps: int = 20, tp: int | None = None, sequence_parallel: bool = False, batch_size: int = 8,
           n_layer: int = 2, d_model: int = 128, n_head: int = 4, vocab_size: int = 256, seq_len: int = 64,
-          lr: float = 1e-3, seed: int = 0, warmup: int = 2, log_every: int = 0) -> dict:
+          lr: float = 1e-3, seed: int = 0, warmup: int = 2, log_every: int = 0, precision: str = "auto") -> dict:
     """Train the lab's GPT tensor-parallel over all ranks; the entry point for torchrun.
 
     ``tp`` defaults to the world size (one TP group). Every rank sees the same batch of
-    ``batch_size`` sequences. Returns this rank's summary: first and last loss, median step
-    time, tokens/s, and the collectives of one step (calls and payload per kind).
+    ``batch_size`` sequences. ``precision``: "auto" (bf16 autocast on a bf16 GPU, else fp32),
+    "bf16" or "fp32"; rank 0 prints the choice. Returns this rank's summary: first and last
+    loss, median step time, tokens/s, and the collectives of one step (calls and payload per kind).
     """
     world = dist.get_world_size()
     tp = world if tp is None else int(tp)
@@ -206,9 +218,12 @@ def train(steps: int = 20, tp: int | None = None, sequence_parallel: bool = Fals
     cfg = GPTConfig(vocab_size=int(vocab_size), seq_len=int(seq_len), n_layer=int(n_layer), n_head=int(n_head),
                     d_model=int(d_model))
     check_tp_sizes(cfg, tp, bool(sequence_parallel))
+    autocast, said = choose_precision(precision, _device())
+    if dist.get_rank() == 0:
+        print(said, flush=True)
     before = comm_snapshot()
     result = train_worker(cfg, tp, bool(sequence_parallel), steps=int(steps), batch=int(batch_size), lr=float(lr),
-                          seed=int(seed), warmup=int(warmup))
+                          seed=int(seed), warmup=int(warmup), autocast=autocast)
     total = comm_since(before)
     n_steps = int(steps) + int(warmup)
     if log_every and dist.get_rank() == 0:
