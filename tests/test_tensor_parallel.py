@@ -93,6 +93,8 @@ def test_activation_formula_reduces_to_memory_at_tp_1_and_splits_as_korthikanti(
         s, h, a = preset.seq_len, preset.d_model, preset.n_head
         assert theory.activation_bytes_per_layer_tp(s, 1, h, a) == memory.activation_bytes_per_layer(s, 1, h, a)
         assert theory.activation_bytes_per_layer_tp(s, 1, h, a, 1, True) == memory.activation_bytes_per_layer(s, 1, h, a)
+        assert theory.activation_bytes_per_layer_tp(s, 1, h, a, flash_attention=True) == \
+            memory.activation_bytes_per_layer(s, 1, h, a, flash_attention=True)
         tp8 = theory.activation_bytes_per_layer_tp(s, 1, h, a, 8)
         assert tp8 == s * h * (10 + 24 / 8) + 5 * a * s * s / 8
         assert theory.activation_bytes_per_layer_tp(s, 1, h, a, 8, True) == memory.activation_bytes_per_layer(s, 1, h, a) / 8

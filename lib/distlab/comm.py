@@ -8,6 +8,16 @@ follow the ring algorithm that NCCL and gloo use for large messages, so a lab
 can compare a measured payload with the textbook cost model, e.g. ring
 all-reduce sends 2(N-1)/N * M bytes per rank.
 
+The same wrapper keeps the launcher informed and jobs honest:
+
+* a *status hook* tells the parent's watchdog which op (and which peer) a rank
+  is blocked in, so a hang is reported as "rank 0 waited 10 s in recv from rank 1";
+* a *ledger* per job (collective calls per group, bytes sent to and received from
+  each peer) lets the launcher prove that a job left nothing unmatched in flight;
+* unfinished async ops are tracked so a job's end can drain them;
+* on the default group, a *fingerprint board* in shared memory catches a
+  collective whose op, size or dtype differs between ranks before gloo aborts.
+
 Calls made from C++ (the reducer inside torch's DDP, for example) do not pass
 through the Python API and are not counted; the labs say so where it matters.
 """
@@ -15,6 +25,9 @@ through the Python API and are not counted; the labs say so where it matters.
 from __future__ import annotations
 
 import functools
+import inspect
+import os
+import sys
 import threading
 import time
 from collections import defaultdict
@@ -48,6 +61,15 @@ WIRE_BYTES: dict[str, Callable[[int, int], float]] = {
     "irecv": lambda size, n: 0,
     "barrier": lambda size, n: 0,
 }
+P2P_OPS = ("send", "isend", "recv", "irecv")
+_SENDS, _RECVS = ("send", "isend"), ("recv", "irecv")
+# Collectives whose tensor must have the same number of elements on every rank (the one
+# the fingerprint compares); for the others only the op and dtype must agree.
+_SAME_SIZE = {"all_reduce": 0, "reduce": 0, "broadcast": 0, "all_gather": 1, "all_gather_into_tensor": 1,
+              "all_gather_single": 1, "reduce_scatter": 0, "reduce_scatter_tensor": 0,
+              "reduce_scatter_single": 0}
+_DTYPES = [torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int8, torch.uint8, torch.int16,
+           torch.int32, torch.int64, torch.bool, torch.complex64, torch.complex128]
 
 
 def _nbytes(obj) -> int:
@@ -84,18 +106,36 @@ class OpStats:
 
 
 @dataclass
+class Ledger:
+    """What one job asked of the network, for the launcher to check that every call was matched.
+
+    ``collectives``: calls per group (``"world"`` or the group's ranks); ``sent``/``received``:
+    point-to-point bytes per peer (``-1``: a receive from any source not yet completed).
+    """
+
+    collectives: dict = field(default_factory=lambda: defaultdict(int))
+    sent: dict = field(default_factory=lambda: defaultdict(int))
+    received: dict = field(default_factory=lambda: defaultdict(int))
+
+
+@dataclass
 class CommLog:
     """One rank's record of a job: totals per op and a time-stamped event list."""
 
     rank: int = 0
     ops: dict[str, OpStats] = field(default_factory=lambda: defaultdict(OpStats))
     events: list[tuple[str, int, float, float]] = field(default_factory=list)  # op, bytes, start, end
+    ledger: Ledger = field(default_factory=Ledger)
 
     def total(self, attribute: str = "wire_bytes", ops: tuple[str, ...] | None = None) -> float:
         return sum(getattr(s, attribute) for name, s in self.ops.items() if ops is None or name in ops)
 
     def summary(self) -> dict[str, dict[str, float]]:
         return {name: vars(stats).copy() for name, stats in sorted(self.ops.items())}
+
+
+class CollectiveMismatch(RuntimeError):
+    """Two ranks called different collectives (or with different sizes or dtypes) at the same point."""
 
 
 class _Recorder(threading.local):
@@ -105,7 +145,12 @@ class _Recorder(threading.local):
 _recorder = _Recorder()
 _log = CommLog()
 _clock_origin = 0.0
-_status_hook: Callable[[str | None], None] = lambda op: None
+_status_hook: Callable[[str | None, int], None] = lambda op, peer=-1: None
+_inflight_hook: Callable[[int], None] = lambda peer: None
+_unfinished: dict[int, "_TrackedWork"] = {}
+_board = None  # shared fingerprint board: 4 doubles per rank (sequence, op, size, dtype)
+_board_rank = 0
+_board_seq = 0
 
 
 def current_log() -> CommLog:
@@ -117,77 +162,227 @@ def reset(rank: int, clock_origin: float) -> None:
     global _log, _clock_origin
     _log = CommLog(rank=rank)
     _clock_origin = clock_origin
+    _unfinished.clear()
+    _inflight_hook(-1)
 
 
-def set_status_hook(hook: Callable[[str | None], None]) -> None:
-    """The launcher's watchdog learns which op a rank is blocked in through this hook."""
-    global _status_hook
+def set_status_hook(hook: Callable[[str | None, int], None], inflight: Callable[[int], None] | None = None) -> None:
+    """The launcher's watchdog learns which op (and peer) a rank is blocked in through ``hook``, and
+    to which peer its oldest unfinished isend goes (-1: none) through ``inflight``."""
+    global _status_hook, _inflight_hook
     _status_hook = hook
+    if inflight is not None:
+        _inflight_hook = inflight
 
+
+def _publish_inflight() -> None:
+    _inflight_hook(next((work.peer for work in list(_unfinished.values()) if work.op == "isend"), -1))
+
+
+def set_fingerprint_board(board, rank: int) -> None:
+    """Shared memory in which ranks of one launch compare their default-group collectives."""
+    global _board, _board_rank, _board_seq
+    _board, _board_rank, _board_seq = board, rank, 0
+
+
+def unfinished() -> list["_TrackedWork"]:
+    """Async ops of this job that have not completed yet, oldest first."""
+    return [work for _, work in sorted(_unfinished.items())]
+
+
+# ---------------------------------------------------------------- arguments by name
+
+_PARAMS: dict[str, dict[str, int]] = {}
+
+
+def _argument(op: str, args: tuple, kwargs: dict, name: str, default=None):
+    if name in kwargs:
+        return kwargs[name]
+    index = _PARAMS.get(op, {}).get(name)
+    return args[index] if index is not None and index < len(args) else default
+
+
+def _is_world(group) -> bool:
+    return group is None or group is dist.GroupMember.WORLD
+
+
+def _group_key(group) -> str:
+    return "world" if _is_world(group) else ",".join(map(str, dist.get_process_group_ranks(group)))
+
+
+def _peer(op: str, args: tuple, kwargs: dict, group) -> int:
+    """The global rank on the other end of a point-to-point op (-1: any source)."""
+    name = "dst" if op in _SENDS else "src"
+    peer = _argument(op, args, kwargs, name)
+    if peer is None:
+        local = _argument(op, args, kwargs, f"group_{name}")
+        if local is None:
+            return -1
+        peer = local if _is_world(group) else dist.get_global_rank(group, local)
+    return int(peer)
+
+
+# ---------------------------------------------------------------- the fingerprint board
+
+def _check_fingerprint(op: str, args: tuple, kwargs: dict) -> None:
+    """Publish this collective's fingerprint, and compare it with ranks already at the same call.
+
+    A seqlock: the sequence number is set to -1 while the fields change, so a reader never
+    mixes two calls' fields. A rank arriving second sees the first's fingerprint; a mismatch
+    raises here, with both calls named, instead of gloo aborting the process.
+    """
+    global _board_seq
+    board, me = _board, _board_rank
+    _board_seq += 1
+    code = list(WIRE_BYTES).index(op) + 1
+    index = _SAME_SIZE.get(op)
+    tensor = args[index] if index is not None and index < len(args) else None
+    numel = tensor.numel() if isinstance(tensor, torch.Tensor) else -1
+    first = next((a for a in args if isinstance(a, torch.Tensor)), None)
+    dtype = _DTYPES.index(first.dtype) if isinstance(first, torch.Tensor) and first.dtype in _DTYPES else -1
+    base = 4 * me
+    board[base] = -1.0
+    board[base + 1], board[base + 2], board[base + 3] = code, numel, dtype
+    board[base] = float(_board_seq)
+    for q in range(len(board) // 4):
+        if q == me:
+            continue
+        seq = board[4 * q]
+        if seq != _board_seq:
+            continue
+        other = (board[4 * q + 1], board[4 * q + 2], board[4 * q + 3])
+        if board[4 * q] != seq:  # it moved on while we read
+            continue
+        mine = (float(code), float(numel), float(dtype))
+        if other != mine:
+            raise CollectiveMismatch(
+                f"collective call #{_board_seq} on the default group differs between ranks: rank {me} called "
+                f"{_describe(*mine)}, rank {q} called {_describe(*other)}. Every rank must make the same "
+                f"collective calls, in the same order, with tensors of the same size and dtype.")
+
+
+def _describe(code: float, numel: float, dtype: float) -> str:
+    op = list(WIRE_BYTES)[int(code) - 1]
+    parts = [f"{int(numel)} elements"] if numel >= 0 else []
+    if dtype >= 0:
+        parts.append(str(_DTYPES[int(dtype)]).replace("torch.", ""))
+    return f"{op}({', '.join(parts)})" if parts else op
+
+
+# ---------------------------------------------------------------- async work
 
 class _TrackedWork:
     """Wraps the handle of an async op so its completion time lands in the log."""
 
-    def __init__(self, work, op: str, index: int):
-        self._work, self._op, self._index = work, op, index
+    def __init__(self, work, op: str, index: int, peer: int):
+        self._work, self._op, self._index, self.peer = work, op, index, peer
+        self._log = _log  # the job that issued it, even if it completes during the next one
+        self.issued_at = _caller_line()
+
+    @property
+    def op(self) -> str:
+        return self._op
 
     def wait(self, *args, **kwargs):
-        _status_hook(f"wait({self._op})")
+        _status_hook(f"wait({self._op})", self.peer)
         try:
-            return self._work.wait(*args, **kwargs)
+            result = self._work.wait(*args, **kwargs)
         except Exception as error:
             error.distlab_op = f"wait({self._op})"
+            error.distlab_peer = self.peer
             raise
         finally:
-            _status_hook(None)
-            _finish_event(self._index)
+            _status_hook(None, -1)
+        self._done()
+        return result
+
+    def _done(self, *_) -> None:
+        _finish_event(self._log, self._index)
+        if self._log is _log and _unfinished.pop(self._index, None) is not None and self._op == "isend":
+            _publish_inflight()
 
     def __getattr__(self, name):
         return getattr(self._work, name)
 
 
-def _finish_event(index: int) -> None:
-    op, size, start, end = _log.events[index]
-    if end != end:  # NaN: not finished yet
-        _log.events[index] = (op, size, start, time.perf_counter() - _clock_origin)
+_TORCH_DIR = os.path.dirname(torch.__file__)
 
+
+def _caller_line() -> str:
+    """``file:line`` of the user code that issued an op (first frame outside torch and distlab)."""
+    frame = sys._getframe(2)
+    while frame is not None:
+        filename = frame.f_code.co_filename
+        if not filename.startswith(_TORCH_DIR) and filename != __file__:
+            return f"{filename}:{frame.f_lineno}"
+        frame = frame.f_back
+    return "?"
+
+
+def _finish_event(log: CommLog, index: int) -> None:
+    op, size, start, end = log.events[index]
+    if end != end:  # NaN: not finished yet
+        log.events[index] = (op, size, start, time.perf_counter() - _clock_origin)
+
+
+# ---------------------------------------------------------------- the wrapper
 
 def _wrap(op: str, real: Callable) -> Callable:
     @functools.wraps(real)
     def counted(*args, **kwargs):
         if _recorder.depth:  # an op built from other ops (all_gather_object…) counts once
             return real(*args, **kwargs)
-        group = kwargs.get("group")
+        group = _argument(op, args, kwargs, "group")
         world = dist.get_world_size(group) if dist.is_initialized() else 1
         size = _message_bytes(op, args, kwargs, world)
         stats = _log.ops[op]
         stats.calls += 1
         stats.payload_bytes += size
         stats.wire_bytes += WIRE_BYTES[op](size, world)
+        p2p = op in P2P_OPS
+        peer = _peer(op, args, kwargs, group) if p2p else -1
+        if not p2p and dist.is_initialized():
+            _log.ledger.collectives[_group_key(group)] += 1
+            if _board is not None and _is_world(group):
+                try:
+                    _check_fingerprint(op, args, kwargs)
+                except CollectiveMismatch as error:
+                    error.distlab_op = op
+                    raise
+        if op in _SENDS:
+            _log.ledger.sent[peer] += size
         start = time.perf_counter() - _clock_origin
         index = len(_log.events)
         _log.events.append((op, size, start, float("nan")))
         _recorder.depth += 1
-        blocking = not kwargs.get("async_op", False) and op not in ("isend", "irecv")
+        blocking = not _argument(op, args, kwargs, "async_op", False) and op not in ("isend", "irecv")
         if blocking:
-            _status_hook(op)
+            _status_hook(op, peer)
         try:
             work = real(*args, **kwargs)
         except Exception as error:
-            error.distlab_op = op  # lets the launcher say which collective failed
+            error.distlab_op = op  # lets the launcher say which op failed, and with whom
+            error.distlab_peer = peer
             raise
         finally:
             _recorder.depth -= 1
             if blocking:
-                _status_hook(None)
+                _status_hook(None, -1)
+        if op in _RECVS:  # a receive from any source learns its peer when it completes
+            source = work if op == "recv" and isinstance(work, int) else peer
+            _log.ledger.received[source if source is not None else -1] += size
         if work is None or blocking:
-            _finish_event(index)
+            _finish_event(_log, index)
             return work
+        tracked = _TrackedWork(work, op, index, peer)
+        _unfinished[index] = tracked
+        if op == "isend":
+            _publish_inflight()
         try:  # stamp the true completion time, so overlap shows on the timeline
-            work.get_future().add_done_callback(lambda _: _finish_event(index))
+            work.get_future().add_done_callback(tracked._done)
         except RuntimeError:
             pass  # this backend/op has no future; the span then ends at wait()
-        return _TrackedWork(work, op, index)
+        return tracked
 
     counted.__distlab_real__ = real
     return counted
@@ -206,6 +401,7 @@ def install() -> None:
         real = getattr(distributed_c10d, op, None)
         if real is None or hasattr(real, "__distlab_real__"):  # absent in this torch version, or done
             continue
+        _PARAMS[op] = {name: i for i, name in enumerate(inspect.signature(inspect.unwrap(real)).parameters)}
         counted = _wrap(op, real)
         setattr(distributed_c10d, op, counted)
         setattr(dist, op, counted)
@@ -245,8 +441,6 @@ def _functional_group_size(group) -> int:
 
 
 def _wrap_functional(name: str, real: Callable) -> Callable:
-    import inspect
-
     logged = FUNCTIONAL_OPS[name]
     signature = inspect.signature(real)
 
@@ -264,8 +458,8 @@ def _wrap_functional(name: str, real: Callable) -> Callable:
         stats.payload_bytes += size
         stats.wire_bytes += WIRE_BYTES[_FUNCTIONAL_COST[logged]](size, world)
         start = time.perf_counter() - _clock_origin
-        index = len(_log.events)
-        _log.events.append((logged, size, start, float("nan")))
+        log, index = _log, len(_log.events)
+        log.events.append((logged, size, start, float("nan")))
         _recorder.depth += 1
         try:
             return real(*args, **kwargs)
@@ -274,7 +468,7 @@ def _wrap_functional(name: str, real: Callable) -> Callable:
             raise
         finally:
             _recorder.depth -= 1
-            _finish_event(index)
+            _finish_event(log, index)
 
     counted.__distlab_real__ = real
     return counted

@@ -34,7 +34,7 @@ SOLUTION_LINE = re.compile(
 )
 _MARKER = re.compile(r"#\s*(BEGIN SOLUTION|END SOLUTION|SOLUTION\b)")
 # nbval's cell markers are test plumbing: solutions keep them, students never see them.
-_NBVAL_LINE = re.compile(r"^[ \t]*#[ \t]*NBVAL_[A-Z_]+[ \t]*\n?", re.MULTILINE)
+_NBVAL_LINE = re.compile(r"^[ \t]*#[ \t]*NBVAL_[A-Z_]+[^\n]*\n?", re.MULTILINE)
 
 
 class NotebookError(ValueError):

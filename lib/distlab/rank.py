@@ -4,6 +4,12 @@ The parent (:mod:`distlab.launcher`) starts one process per rank from a
 forkserver that has already imported torch, so a rank starts in a fraction of
 a second. Each rank joins the process group once, then runs jobs sent over a
 pipe: a cold launch sends one job, a warm group many.
+
+Jobs in a warm rank are isolated from each other: every job starts from the
+process state the rank had when it became ready (environment, default dtype,
+grad mode, RNG states…), async ops a job left in flight are drained before it
+reports, and its communication ledger goes back to the parent, which checks
+that every send was received and every collective matched.
 """
 
 from __future__ import annotations
@@ -11,12 +17,13 @@ from __future__ import annotations
 import ctypes
 import faulthandler
 import os
+import random
+import signal
 import sys
-import threading
 import time
 import traceback
 import warnings
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from datetime import timedelta
 
 import cloudpickle
@@ -31,6 +38,10 @@ _FRESH_TORCH_SEED = torch.initial_seed()
 _TORCH_DIR = os.path.dirname(torch.__file__)
 _THIS_FILE = os.path.abspath(__file__)
 OP_NAMES = list(comm.WIRE_BYTES)
+# Per rank in the shared status array: op code (negative: waiting on an async op), since, peer, and the
+# peer of the oldest isend still in flight (-1: none), which tells a wrong neighbour from a deadlock.
+STATUS_FIELDS = 4
+STACK_DUMP_SIGNAL = signal.SIGUSR1  # the launcher asks a blocked rank for its Python stack with it
 
 
 @dataclass(frozen=True)
@@ -39,10 +50,14 @@ class RankSpec:
     world_size: int
     backend: str
     store_port: int
-    collective_timeout: float
+    backend_timeout: float  # a backstop: the launcher's watchdog ends real hangs well before it
     threads: int
     stdout_path: str
     stderr_path: str
+
+
+class UnfinishedAsyncOp(RuntimeError):
+    """A job returned while an async op it issued could not complete."""
 
 
 def device() -> torch.device:
@@ -52,27 +67,31 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
-def main(spec: RankSpec, conn, lifeline, status) -> None:
+def main(spec: RankSpec, conn, status, board) -> None:
     """Entry point of a rank process."""
-    _die_with_launcher(lifeline)
+    # Our own process group: the launcher ends this rank and every process it starts with one
+    # killpg, and a notebook's interrupt (sent to the kernel's process group) is the launcher's to handle.
+    os.setpgid(0, 0)
+    _detach_from_forkserver()
     _name_process(f"distlab-rank{spec.rank}")
     _capture_output(spec)
     _limit_threads(spec.threads)
     _set_rank_environment(spec)
-    status_hook = _status_writer(status, spec.rank)
     try:
         _join_process_group(spec)
     except BaseException as error:  # reported to the parent, which ends the launch
-        conn.send(("error", describe_error(error, in_op="init_process_group")))
+        conn.send(("error", None, describe_error(error, in_op="init_process_group")))
         return
     comm.install()
-    comm.set_status_hook(status_hook)
+    comm.set_status_hook(_status_writer(status, spec.rank), _inflight_writer(status, spec.rank))
+    comm.set_fingerprint_board(board, spec.rank)
     # torch 2.13 renamed all_gather_into_tensor/reduce_scatter_tensor to *_single; labs keep the
     # names that work on every supported torch (>=2.8), so the rename notice is noise here.
     warnings.filterwarnings("ignore", message=r".*is deprecated\. Please use `torch\.distributed\.\w+_single`",
                             category=FutureWarning)
     os.ftruncate(1, 0)  # start-up chatter is not the user's output
     os.ftruncate(2, 0)
+    baseline = ProcessState.capture()
     conn.send(("ready",))
     while True:
         try:
@@ -81,14 +100,16 @@ def main(spec: RankSpec, conn, lifeline, status) -> None:
             break
         if job is None:
             break
-        conn.send(_run_job(spec.rank, *job))
+        conn.send(_run_job(spec.rank, baseline, *job))
     try:
         dist.destroy_process_group()
     except Exception:
         pass
 
 
-def _run_job(rank: int, payload: bytes, clock_origin: float, cwd: str, sys_path: list[str]):
+def _run_job(rank: int, baseline: "ProcessState", job_id: int, payload: bytes, clock_origin: float, cwd: str,
+             sys_path: list[str]):
+    baseline.restore()
     os.chdir(cwd)
     sys.path[:] = sys_path
     torch.manual_seed(_FRESH_TORCH_SEED)
@@ -97,18 +118,86 @@ def _run_job(rank: int, payload: bytes, clock_origin: float, cwd: str, sys_path:
     try:
         fn, args, kwargs = cloudpickle.loads(payload)
         value = fn(*args, **kwargs)
+        _drain_async_ops()
         try:
             result = cloudpickle.dumps(value)
         except Exception as error:
             raise TypeError(f"the return value ({type(value).__name__}) cannot be sent back: {error}") from None
-        outcome = ("ok", result)
+        outcome = ("ok", job_id, result)
     except BaseException as error:
-        outcome = ("error", describe_error(error, in_op=getattr(error, "distlab_op", None)))
+        info = describe_error(error, in_op=getattr(error, "distlab_op", None))
+        info["in_flight"] = [(work.op, work.peer) for work in comm.unfinished()]
+        outcome = ("error", job_id, info)
     finally:
         sys.stdout.flush()
         sys.stderr.flush()
     log = comm.current_log()
-    return outcome + (dict(log.ops), timeline.collect(rank, log.events))
+    ledger = {name: dict(getattr(log.ledger, name)) for name in ("collectives", "sent", "received")}
+    return outcome + (dict(log.ops), timeline.collect(rank, log.events), ledger)
+
+
+def _drain_async_ops() -> None:
+    """Wait for the async ops the job issued but never waited on, so none spills into the next job.
+
+    Matched ops complete in moments. One the other ranks never issued fails at the
+    collective timeout, and the job fails with the line that issued it.
+    """
+    for work in comm.unfinished():
+        try:
+            work.wait()
+        except Exception as error:
+            lines = str(error).strip().splitlines()
+            raise UnfinishedAsyncOp(
+                f"the job returned while its async {work.op} (issued at {work.issued_at}) was still in flight, "
+                f"and it never completed ({lines[0] if lines else type(error).__name__}). Wait on every handle "
+                "before returning; an op that never completes was not issued by the other ranks.") from None
+
+
+@dataclass
+class ProcessState:
+    """The per-process settings a job may change and the next job must not inherit."""
+
+    environ: dict = field(default_factory=dict)
+    settings: dict = field(default_factory=dict)
+    python_random: object = None
+    numpy_random: object = None
+
+    _TORCH_SETTINGS = {  # name: (getter, setter)
+        "default_dtype": (torch.get_default_dtype, torch.set_default_dtype),
+        "grad_enabled": (torch.is_grad_enabled, torch.set_grad_enabled),
+        "anomaly": (torch.is_anomaly_enabled, torch.set_anomaly_enabled),
+        "num_threads": (torch.get_num_threads, torch.set_num_threads),
+        "matmul_precision": (torch.get_float32_matmul_precision, torch.set_float32_matmul_precision),
+        "deterministic": (lambda: (torch.are_deterministic_algorithms_enabled(),
+                                   torch.is_deterministic_algorithms_warn_only_enabled()),
+                          lambda value: torch.use_deterministic_algorithms(value[0], warn_only=value[1])),
+        "stdout": (lambda: sys.stdout, lambda value: setattr(sys, "stdout", value)),
+        "stderr": (lambda: sys.stderr, lambda value: setattr(sys, "stderr", value)),
+        "warning_filters": (lambda: list(warnings.filters), lambda value: warnings.filters.__setitem__(slice(None), value)),
+    }
+    if hasattr(torch, "get_default_device"):  # torch >= 2.3; setting "cpu" back would leave a mode active
+        _TORCH_SETTINGS["default_device"] = (
+            torch.get_default_device,
+            lambda value: torch.set_default_device(None if value == torch.device("cpu") else value))
+
+    @classmethod
+    def capture(cls) -> "ProcessState":
+        state = cls(environ=dict(os.environ), python_random=random.getstate())
+        state.settings = {name: get() for name, (get, _) in cls._TORCH_SETTINGS.items()}
+        if "numpy" in sys.modules:
+            state.numpy_random = sys.modules["numpy"].random.get_state()
+        return state
+
+    def restore(self) -> None:
+        if os.environ != self.environ:
+            os.environ.clear()
+            os.environ.update(self.environ)
+        for name, (get, set_) in self._TORCH_SETTINGS.items():
+            if get() != self.settings[name]:
+                set_(self.settings[name])
+        random.setstate(self.python_random)
+        if self.numpy_random is not None:
+            sys.modules["numpy"].random.set_state(self.numpy_random)
 
 
 def describe_error(error: BaseException, in_op: str | None) -> dict:
@@ -124,6 +213,7 @@ def describe_error(error: BaseException, in_op: str | None) -> dict:
         "frames": [(f.filename, f.lineno, f.name, f.line) for f in frames],
         "hidden_frames": hidden,
         "in_op": in_op,
+        "peer": getattr(error, "distlab_peer", -1),
     }
 
 
@@ -133,26 +223,43 @@ def _is_library_frame(filename: str) -> bool:
 
 
 def _status_writer(status, rank: int):
-    """Publish which op this rank is blocked in, and since when, for the parent's watchdog."""
+    """Publish which op this rank is blocked in, since when and with which peer, for the parent's watchdog."""
+    base = STATUS_FIELDS * rank
 
-    def write(op: str | None) -> None:
+    def write(op: str | None, peer: int = -1) -> None:
         if op is None:
-            status[2 * rank] = 0.0
+            status[base] = 0.0
         else:
             waiting = op.startswith("wait(")
             code = OP_NAMES.index(op[5:-1] if waiting else op) + 1
-            status[2 * rank] = -code if waiting else code
-            status[2 * rank + 1] = time.perf_counter()
+            status[base + 1] = time.perf_counter()
+            status[base + 2] = peer
+            status[base] = -code if waiting else code  # written last: the parent reads it first
+
+    return write
+
+
+def _inflight_writer(status, rank: int):
+    def write(peer: int) -> None:
+        status[STATUS_FIELDS * rank + 3] = peer
 
     return write
 
 
 def _join_process_group(spec: RankSpec) -> None:
-    timeout = timedelta(seconds=spec.collective_timeout)
-    store = dist.TCPStore("127.0.0.1", spec.store_port, spec.world_size, is_master=False, timeout=timeout)
+    """Rendezvous in the store until every rank is up, then join the process group.
+
+    On a loaded machine the last rank can start seconds after the first; waiting for all
+    of them in the store first keeps gloo's mesh connection from racing a slow starter.
+    """
+    patience = timedelta(seconds=max(60.0, spec.backend_timeout))
+    store = dist.TCPStore("127.0.0.1", spec.store_port, spec.world_size, is_master=False, timeout=patience)
+    store.set(f"distlab/up/{spec.rank}", "1")
+    store.wait([f"distlab/up/{r}" for r in range(spec.world_size)], patience)
     if spec.backend == "nccl":
         torch.cuda.set_device(spec.rank)
-    dist.init_process_group(spec.backend, store=store, rank=spec.rank, world_size=spec.world_size, timeout=timeout)
+    dist.init_process_group(spec.backend, store=store, rank=spec.rank, world_size=spec.world_size,
+                            timeout=timedelta(seconds=spec.backend_timeout))
 
 
 def _set_rank_environment(spec: RankSpec) -> None:
@@ -189,23 +296,30 @@ def _capture_output(spec: RankSpec) -> None:
             stream.reconfigure(line_buffering=True)
         except (AttributeError, ValueError):
             pass
-    faulthandler.enable()  # a segfault leaves a Python traceback in the rank's stderr
+    faulthandler.enable()  # a segfault or an abort leaves a Python traceback in the rank's stderr
+    faulthandler.register(STACK_DUMP_SIGNAL, all_threads=True)  # so does the launcher's request for a blocked rank
 
 
-def _die_with_launcher(lifeline) -> None:
-    """End this rank when the launching process goes away, even by kill -9, even mid-job.
+def _detach_from_forkserver() -> None:
+    """Forget the launcher's forkserver: a rank that uses multiprocessing starts its own.
 
-    Only the launcher holds the lifeline's write end, so EOF means it is gone.
-    (The forkserver is no help here: it lives on while any rank does.)
+    A forkserver child inherits the server's address and a copy of its "alive" pipe.
+    Holding that copy would keep the shared server alive after the notebook dies, and
+    children started through it would be the server's, outside this rank's process
+    group, where the launcher could not reach them.
     """
-    def watch():
-        try:
-            lifeline.recv()
-        except (EOFError, OSError):
-            pass
-        os._exit(1)
+    from multiprocessing import forkserver
 
-    threading.Thread(target=watch, name="distlab-lifeline", daemon=True).start()
+    server = forkserver._forkserver
+    alive = getattr(server, "_forkserver_alive_fd", None)
+    if alive is not None:
+        try:
+            os.close(alive)
+        except OSError:
+            pass
+    for name in ("_forkserver_address", "_forkserver_alive_fd", "_forkserver_pid", "_forkserver_authkey"):
+        if hasattr(server, name):
+            setattr(server, name, None)
 
 
 def _name_process(name: str) -> None:

@@ -103,7 +103,8 @@ def _exact(value: Fraction) -> int | float:
 
 
 def activation_bytes_per_layer_tp(seq_len: int, batch: int, d_model: int, n_head: int, tp: int = 1,
-                                  sequence_parallel: bool = False, bytes_per_value: int = 2) -> int | float:
+                                  sequence_parallel: bool = False, bytes_per_value: int = 2,
+                                  flash_attention: bool = False) -> int | float:
     """Per-rank activation bytes of one layer, no recomputation (Korthikanti et al. 2022, Table 2):
 
         TP:       s·b·h·(10 + 24/t + 5·a·s/(h·t))
@@ -113,12 +114,14 @@ def activation_bytes_per_layer_tp(seq_len: int, batch: int, d_model: int, n_head
     splits the 24 inside attention and the MLP and the attention scores; the 10 of the
     LayerNorms, the QKV and fc inputs and the dropout masks stay whole on every rank — SP
     splits those too (storing the QKV and fc inputs as sequence shards). Written for 16-bit
-    values; ``bytes_per_value`` rescales.
+    values; ``bytes_per_value`` rescales; ``flash_attention`` drops the scores' term, as in
+    :func:`distlab.memory.activation_bytes_per_layer`.
     """
     s, b, h, a, t = seq_len, batch, d_model, n_head, tp
     whole = Fraction(0 if sequence_parallel else 10)
     split = Fraction(34 if sequence_parallel else 24)
-    per_value = Fraction(s * b) * (h * (whole + split / t) + Fraction(5 * a * s, t))
+    scores = 0 if flash_attention else Fraction(5 * a * s, t)
+    per_value = Fraction(s * b) * (h * (whole + split / t) + scores)
     return _exact(per_value * bytes_per_value / 2)
 
 
