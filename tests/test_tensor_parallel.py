@@ -15,10 +15,10 @@ from distlab.grading import CheckFailed
 from distlab.grading import lab05
 from distlab.model import GPT, GPTConfig, synthetic_batch
 from distlab.reference import train_reference
-from distlab.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TensorParallelAttention, TensorParallelMLP,
-                                     VocabParallelEmbedding, check_tp_sizes, copy_to_tp, gather_sequence, is_replicated,
-                                     qkv_rows, reduce_from_tp, reduce_scatter_sequence, shard_of, shard_state,
-                                     vocab_parallel_cross_entropy)
+from distlab.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TensorParallelAttention,
+                                     TensorParallelMLP, VocabParallelEmbedding, check_tp_sizes, copy_to_tp,
+                                     gather_sequence, is_replicated, qkv_rows, reduce_from_tp, reduce_scatter_sequence,
+                                     shard_state, vocab_parallel_cross_entropy)
 from distlab.tensor_parallel import theory
 from distlab.tensor_parallel.communication import all_gather_linear
 from distlab.tensor_parallel.workers import choose_precision, dtensor_step, tp_step, train, train_worker
@@ -92,12 +92,13 @@ def test_activation_formula_reduces_to_memory_at_tp_1_and_splits_as_korthikanti(
     for preset in memory.PRESETS.values():
         s, h, a = preset.seq_len, preset.d_model, preset.n_head
         assert theory.activation_bytes_per_layer_tp(s, 1, h, a) == memory.activation_bytes_per_layer(s, 1, h, a)
-        assert theory.activation_bytes_per_layer_tp(s, 1, h, a, 1, True) == memory.activation_bytes_per_layer(s, 1, h, a)
+        dense_layer = memory.activation_bytes_per_layer(s, 1, h, a)
+        assert theory.activation_bytes_per_layer_tp(s, 1, h, a, 1, True) == dense_layer
         assert theory.activation_bytes_per_layer_tp(s, 1, h, a, flash_attention=True) == \
             memory.activation_bytes_per_layer(s, 1, h, a, flash_attention=True)
         tp8 = theory.activation_bytes_per_layer_tp(s, 1, h, a, 8)
         assert tp8 == s * h * (10 + 24 / 8) + 5 * a * s * s / 8
-        assert theory.activation_bytes_per_layer_tp(s, 1, h, a, 8, True) == memory.activation_bytes_per_layer(s, 1, h, a) / 8
+        assert theory.activation_bytes_per_layer_tp(s, 1, h, a, 8, True) == dense_layer / 8
 
 
 def test_collective_formulas():

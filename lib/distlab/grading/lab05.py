@@ -143,7 +143,8 @@ def _grads_of(module: nn.Module) -> dict[str, torch.Tensor | None]:
 def _expect_parameters(case, rank: int, what: str, got: dict, expected_names) -> None:
     missing = sorted(set(expected_names) - set(got))
     if missing:
-        raise CheckFailed(f"{case}, rank {rank}: {what} has parameters {sorted(got)}; expected {sorted(expected_names)} "
+        raise CheckFailed(f"{case}, rank {rank}: {what} has parameters {sorted(got)}; expected "
+                          f"{sorted(expected_names)} "
                           f"(named like the dense module's, each an nn.Parameter)")
     for name in expected_names:
         if got[name] is None:
@@ -279,7 +280,8 @@ def _dense_pass(layer, x, upstream):
 
 
 def check_parallel_linears(column_cls, row_cls) -> str:
-    """5.2: ``ColumnParallelLinear(dense, group, rows=None, gather_output=False)`` and ``RowParallelLinear(dense, group)``."""
+    """5.2: ``ColumnParallelLinear(dense, group, rows=None, gather_output=False)`` and
+    ``RowParallelLinear(dense, group)``."""
     _stub_probe(lambda: column_cls(nn.Linear(4, 4), None)(torch.zeros(1, 4)),
                 lambda: row_cls(nn.Linear(4, 4), None)(torch.zeros(1, 4)))
     rng = random.Random(_SEED + 2)
@@ -320,8 +322,8 @@ def check_parallel_linears(column_cls, row_cls) -> str:
                                 {"all_gather": (1, m_out)})
             res, cols = out["row"], shard_range(case.d_in, case.tp, r)
             _expect_parameters(case, rank, "RowParallelLinear", res["grads"], names)
-            _expect(case, rank, "RowParallelLinear.weight's gradient", res["grads"]["weight"], grads_row["weight"][:, cols],
-                    "a row-parallel layer keeps columns (input features) of dense.weight")
+            _expect(case, rank, "RowParallelLinear.weight's gradient", res["grads"]["weight"],
+                    grads_row["weight"][:, cols], "a row-parallel layer keeps columns (input features) of dense.weight")
             hint = ""
             if case.bias and _close(res["output"], y_row + (case.tp - 1) * dense_row.bias.detach())[0]:
                 hint = (f"the bias was added on each of the {case.tp} ranks before the all-reduce, so it is counted "
@@ -413,8 +415,10 @@ def check_parallel_attention(qkv_rows_fn, attention_cls) -> str:
         got = torch.as_tensor(got).flatten()
         if got.tolist() != expected.tolist():
             contiguous = torch.arange(3 * d_model)[shard_range(3 * d_model, tp, rank)]
-            hint = (": that is a contiguous block of the packed rows, which mixes q, k and v; take your heads' rows "
-                    "from each of q (rows 0…d), k (d…2d) and v (2d…3d)" if got.tolist() == contiguous.tolist() else "")
+            hint = ""
+            if got.tolist() == contiguous.tolist():
+                hint = (": that is a contiguous block of the packed rows, which mixes q, k and v; take your heads' "
+                        "rows from each of q (rows 0…d), k (d…2d) and v (2d…3d)")
             raise CheckFailed(f"qkv_rows(d_model={d_model}, n_head={n_head}, tp={tp}, rank={rank}) returned "
                               f"{got.tolist()[:8]}…, expected {expected.tolist()[:8]}…{hint}")
     _check_module(attention_cls, "attn", rng, "TensorParallelAttention",
@@ -455,7 +459,7 @@ def _worker_vocab(embedding_cls, loss_fn, case: Case) -> dict:
 
 
 def check_vocab_parallel(embedding_cls, loss_fn) -> str:
-    """5.5: ``VocabParallelEmbedding(embedding, group)`` and ``vocab_parallel_cross_entropy(logits, targets, group)``."""
+    """5.5: ``VocabParallelEmbedding(embedding, group)``, ``vocab_parallel_cross_entropy(logits, targets, group)``."""
     _stub_probe(lambda: embedding_cls(nn.Embedding(8, 4), None)(torch.zeros(1, 2, dtype=torch.long)),
                 lambda: loss_fn(torch.zeros(1, 2, 8, requires_grad=True), torch.zeros(1, 2, dtype=torch.long), None))
     rng = random.Random(_SEED + 5)
@@ -475,7 +479,8 @@ def check_vocab_parallel(embedding_cls, loss_fn) -> str:
             rows = shard_range(vocab, case.tp, r)
             emb = out["embedding"]
             _expect_parameters(case, rank, "VocabParallelEmbedding", emb["grads"], ["weight"])
-            _expect(case, rank, "VocabParallelEmbedding.weight's gradient", emb["grads"]["weight"], dense.weight.grad[rows],
+            _expect(case, rank, "VocabParallelEmbedding.weight's gradient", emb["grads"]["weight"],
+                    dense.weight.grad[rows],
                     f"rank {r} of the group keeps vocabulary rows {rows.start}…{rows.stop - 1}")
             _expect(case, rank, "VocabParallelEmbedding's output", emb["output"], y.detach(),
                     "look up only your rows (shift the ids by your first row), zero the tokens outside them, and "
@@ -534,8 +539,8 @@ def _worker_sequence(gather_fn, scatter_fn, case: Case) -> dict:
     cfg = _module_cfg(case, 4)
     block = _dense_block(cfg, case.seed)
     ln = block.ln2
-    fc_w = shard_of("blocks.0.mlp.fc.weight", block.mlp.fc.weight.detach(), cfg, case.tp, r).clone().requires_grad_(True)
-    proj_w = shard_of("blocks.0.mlp.proj.weight", block.mlp.proj.weight.detach(), cfg, case.tp, r).clone().requires_grad_(True)
+    fc_w, proj_w = (shard_of(f"blocks.0.mlp.{name}.weight", getattr(block.mlp, name).weight.detach(), cfg, case.tp,
+                             r).clone().requires_grad_(True) for name in ("fc", "proj"))
     x = _randn((b, s, h), case.seed, 44)[:, shard_range(s, case.tp, r)].clone().requires_grad_(True)
     fc_b = None if block.mlp.fc.bias is None else shard_of("blocks.0.mlp.fc.bias", block.mlp.fc.bias.detach(), cfg,
                                                             case.tp, r)
@@ -621,7 +626,8 @@ EXERCISES = [
     quiz.number("Q5.4", "activation bytes per rank at TP=8 without SP, as a fraction of TP=1", answer=13 / 34,
                 rel_tol=0.02, hint="of the 34·sbh bytes of a layer, 10 stay whole on every rank and 24 are split "
                                    "(section 10, Activation memory per rank)"),
-    quiz.number("Q5.5", "milliseconds for a 64 MiB ring all-reduce on 8 GPUs at 50 GB/s", answer=2 * 7 / 8 * 2**26 / 50e9 * 1e3,
+    quiz.number("Q5.5", "milliseconds for a 64 MiB ring all-reduce on 8 GPUs at 50 GB/s",
+                answer=2 * 7 / 8 * 2**26 / 50e9 * 1e3,
                 rel_tol=0.03, hint="a ring all-reduce sends 2(t−1)/t·M per GPU; divide by the link's bytes per "
                                    "second (section 13)"),
     quiz.choice("Q5.6", "why the number of attention heads must be divisible by the TP degree", answer="a",

@@ -82,8 +82,9 @@ class ColumnParallelLinear(nn.Module):
         self.group, self.gather_output, self.sequence_parallel = group, gather_output, sequence_parallel
         self.in_features, self.out_features = dense.in_features, dense.out_features
         self.rows = rows
-        self.weight = nn.Parameter(dense.weight.detach()[rows.to(dense.weight.device)].clone())
-        self.bias = None if dense.bias is None else nn.Parameter(dense.bias.detach()[rows.to(dense.bias.device)].clone())
+        index = rows.to(dense.weight.device)
+        self.weight = nn.Parameter(dense.weight.detach()[index].clone())
+        self.bias = None if dense.bias is None else nn.Parameter(dense.bias.detach()[index].clone())
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         y = column_parallel_linear(x, self.weight, self.bias, self.group, sequence_parallel=self.sequence_parallel)
@@ -112,7 +113,10 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         partial = F.linear(x, self.weight)
-        y = reduce_scatter_sequence(partial, self.group) if self.sequence_parallel else reduce_from_tp(partial, self.group)
+        if self.sequence_parallel:
+            y = reduce_scatter_sequence(partial, self.group)
+        else:
+            y = reduce_from_tp(partial, self.group)
         return y if self.bias is None else y + self.bias
 
     def extra_repr(self) -> str:
