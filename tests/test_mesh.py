@@ -1,0 +1,77 @@
+"""The process-group grid and DP × PP × TP training on real gloo ranks, against one process."""
+
+import pytest
+import torch
+
+import distlab
+from distlab.mesh import (AXES, Grid, check_3d_setup, compare_with_reference, group_ranks_worker,
+                          measured_bytes_per_axis, parallel3d_worker)
+from distlab.model import GPTConfig
+
+pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("no_leftover_ranks")]
+
+CFG = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32, tied_embeddings=False)
+
+
+def test_grid_coordinates_and_groups_follow_the_dp_pp_tp_layout():
+    grid = Grid(2, 2, 2)
+    assert grid.ranks().tolist() == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    assert grid.coords(5) == {"dp": 1, "pp": 0, "tp": 1}
+    assert grid.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
+    assert grid.groups("pp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
+    assert grid.groups("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    for rank in range(grid.world):
+        c = grid.coords(rank)
+        assert grid.ranks()[c["dp"], c["pp"], c["tp"]] == rank
+        for axis in AXES:  # a group varies exactly one coordinate
+            group = grid.group_of(rank, axis)
+            assert len(group) == grid.shape[axis]
+            others = [a for a in AXES if a != axis]
+            assert all(grid.coords(r)[a] == c[a] for r in group for a in others)
+
+
+def test_tp_stays_inside_a_node_and_dp_crosses_nodes():
+    llama = Grid(dp=128, pp=16, tp=8)
+    assert llama.world == 16384
+    assert llama.inside_node(8) == {"dp": False, "pp": False, "tp": True}
+    assert llama.nodes_spanned("pp", 8) == 16
+    assert Grid(dp=2, pp=1, tp=16).nodes_spanned("tp", 8) == 2
+
+
+def test_bad_sizes_are_one_line_errors():
+    with pytest.raises(ValueError, match=r"world size 6 is not dp × pp × tp = 2 × 2 × 2 = 8"):
+        Grid(2, 2, 2).check_world(6)
+    with pytest.raises(ValueError, match="tp=0 must be a positive integer"):
+        Grid(2, 2, 0)
+    with pytest.raises(ValueError, match="untied embeddings"):
+        check_3d_setup(GPTConfig(), Grid(1, 2, 1), m=2, batch_size=4)
+    with pytest.raises(ValueError, match="does not split over dp=2"):
+        check_3d_setup(CFG, Grid(2, 1, 1), m=1, batch_size=3)
+    with pytest.raises(ValueError, match="tp=4 does not divide n_head=2"):
+        check_3d_setup(CFG, Grid(1, 1, 4), m=1, batch_size=4)
+
+
+def test_3d_runs_equal_one_process_and_groups_match_device_mesh():
+    steps, batch = 2, 8
+    with distlab.Ranks(8, collective_timeout=30) as ranks:
+        layouts = ranks.run(group_ranks_worker, args=(Grid(2, 2, 2),))
+        for r in layouts:
+            grid = Grid(2, 2, 2)
+            assert r["coords"] == grid.coords(r["rank"])
+            assert r["ours"] == r["device_mesh"] == {a: grid.group_of(r["rank"], a) for a in AXES}
+        for dp, pp, tp in [(2, 2, 2), (4, 1, 2)]:
+            grid = Grid(dp, pp, tp)
+            run = ranks.run(parallel3d_worker, args=(CFG, dp, pp, tp), kwargs=dict(m=2, batch_size=batch, steps=steps))
+            result = compare_with_reference(list(run), CFG, grid, batch, steps)
+            assert result["loss_diff"] < 1e-5, (grid, result)
+            assert result["worst_param"][2] < 1e-5, (grid, result["worst_param"])
+            sent = measured_bytes_per_axis(list(run))
+            assert sent["tp"] > 0 and sent["dp"] > 0 and (sent["pp"] > 0) == (pp > 1), sent
+        # a DP sync that forgets to divide by dp no longer matches
+        def summed(params, group, dp):
+            for p in params:
+                torch.distributed.all_reduce(p.grad, group=group)
+
+        run = ranks.run(parallel3d_worker, args=(CFG, 2, 2, 2), kwargs=dict(m=2, batch_size=batch, steps=1,
+                                                                         grad_sync=summed))
+        assert compare_with_reference(list(run), CFG, Grid(2, 2, 2), batch, 1)["worst_param"][2] > 1e-4
