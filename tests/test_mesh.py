@@ -15,15 +15,16 @@ CFG = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32, tied
 
 def test_grid_coordinates_and_groups_follow_the_dp_pp_tp_layout():
     grid = Grid(2, 2, 2)
-    assert grid.ranks().tolist() == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
-    assert grid.coords(5) == {"dp": 1, "pp": 0, "tp": 1}
+    assert grid.ranks().squeeze(2).tolist() == [[[0, 1], [2, 3]], [[4, 5], [6, 7]]]
+    assert grid.axes == ("dp", "pp", "tp")
+    assert grid.coords(5) == {"dp": 1, "pp": 0, "cp": 0, "tp": 1}
     assert grid.groups("tp") == [[0, 1], [2, 3], [4, 5], [6, 7]]
     assert grid.groups("pp") == [[0, 2], [1, 3], [4, 6], [5, 7]]
     assert grid.groups("dp") == [[0, 4], [1, 5], [2, 6], [3, 7]]
     for rank in range(grid.world):
         c = grid.coords(rank)
-        assert grid.ranks()[c["dp"], c["pp"], c["tp"]] == rank
-        for axis in AXES:  # a group varies exactly one coordinate
+        assert grid.ranks()[c["dp"], c["pp"], c["cp"], c["tp"]] == rank
+        for axis in grid.axes:  # a group varies exactly one coordinate
             group = grid.group_of(rank, axis)
             assert len(group) == grid.shape[axis]
             others = [a for a in AXES if a != axis]
@@ -33,9 +34,12 @@ def test_grid_coordinates_and_groups_follow_the_dp_pp_tp_layout():
 def test_tp_stays_inside_a_node_and_dp_crosses_nodes():
     llama = Grid(dp=128, pp=16, tp=8)
     assert llama.world == 16384
-    assert llama.inside_node(8) == {"dp": False, "pp": False, "tp": True}
+    assert llama.inside_node(8) == {"dp": False, "pp": False, "cp": True, "tp": True}
     assert llama.nodes_spanned("pp", 8) == 16
     assert Grid(dp=2, pp=1, tp=16).nodes_spanned("tp", 8) == 2
+    with_cp = Grid(dp=2, pp=2, tp=4, cp=2)  # Llama 3's [TP, CP, PP, DP]: TP × CP fill a node
+    assert with_cp.groups("cp")[:2] == [[0, 4], [1, 5]] and with_cp.inside_node(8)["cp"]
+    assert with_cp.coords(13) == {"dp": 0, "pp": 1, "cp": 1, "tp": 1}
 
 
 def test_bad_sizes_are_one_line_errors():
@@ -58,7 +62,7 @@ def test_3d_runs_equal_one_process_and_groups_match_device_mesh():
         for r in layouts:
             grid = Grid(2, 2, 2)
             assert r["coords"] == grid.coords(r["rank"])
-            assert r["ours"] == r["device_mesh"] == {a: grid.group_of(r["rank"], a) for a in AXES}
+            assert r["ours"] == r["device_mesh"] == {a: grid.group_of(r["rank"], a) for a in grid.axes}
         for dp, pp, tp in [(2, 2, 2), (4, 1, 2)]:
             grid = Grid(dp, pp, tp)
             run = ranks.run(parallel3d_worker, args=(CFG, dp, pp, tp), kwargs=dict(m=2, batch_size=batch, steps=steps))

@@ -36,16 +36,21 @@ __all__ = ["AXES", "Grid", "ProcessGroups", "process_groups", "device_mesh_group
            "average_gradients", "check_3d_setup", "parallel3d_worker", "replica_losses", "compare_with_reference",
            "measured_bytes_per_axis", "train"]
 
-AXES = ("dp", "pp", "tp")  # outermost to innermost
+AXES = ("dp", "pp", "cp", "tp")  # outermost to innermost, Llama 3's order
 
 
 @dataclass(frozen=True)
 class Grid:
-    """``dp × pp × tp`` ranks laid out as ``arange(world).view(dp, pp, tp)``."""
+    """``dp × pp × tp`` ranks laid out as ``arange(world).view(dp, pp, tp)``.
+
+    ``cp`` (context parallelism, lab 07) sits between PP and TP when it is used, as in Llama 3
+    (``[TP, CP, PP, DP]`` from the inside out); the training run here keeps ``cp = 1``.
+    """
 
     dp: int = 1
     pp: int = 1
     tp: int = 1
+    cp: int = 1
 
     def __post_init__(self) -> None:
         for axis in AXES:
@@ -55,29 +60,37 @@ class Grid:
 
     @property
     def world(self) -> int:
-        return self.dp * self.pp * self.tp
+        return self.dp * self.pp * self.cp * self.tp
 
     @property
     def shape(self) -> dict[str, int]:
         return {axis: getattr(self, axis) for axis in AXES}
 
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The axes this grid uses: all of :data:`AXES` but ``cp`` when ``cp = 1``."""
+        return tuple(axis for axis in AXES if axis != "cp" or self.cp > 1)
+
     def check_world(self, world: int) -> None:
         """One-line ``ValueError`` when the job's world size is not ``dp · pp · tp``."""
         if world != self.world:
-            raise ValueError(f"world size {world} is not dp × pp × tp = {self.dp} × {self.pp} × {self.tp} = "
-                             f"{self.world}: start {self.world} ranks or change the degrees")
+            sizes = " × ".join(str(getattr(self, a)) for a in self.axes)
+            names = " × ".join(self.axes)
+            raise ValueError(f"world size {world} is not {names} = {sizes} = {self.world}: "
+                             f"start {self.world} ranks or change the degrees")
 
     def ranks(self) -> torch.Tensor:
-        """The grid itself: ``ranks()[d, s, t]`` is the global rank at those coordinates."""
-        return torch.arange(self.world).view(self.dp, self.pp, self.tp)
+        """The grid itself: ``ranks()[d, s, c, t]`` is the global rank at those coordinates."""
+        return torch.arange(self.world).view(self.dp, self.pp, self.cp, self.tp)
 
     def coords(self, rank: int) -> dict[str, int]:
-        """``{"dp": d, "pp": s, "tp": t}`` of a global rank."""
+        """``{"dp": d, "pp": s, "cp": c, "tp": t}`` of a global rank."""
         if not 0 <= rank < self.world:
             raise ValueError(f"rank {rank} is outside a grid of {self.world} ranks")
-        d, rest = divmod(rank, self.pp * self.tp)
-        s, t = divmod(rest, self.tp)
-        return {"dp": d, "pp": s, "tp": t}
+        coords = {}
+        for axis in reversed(AXES):
+            rank, coords[axis] = divmod(rank, getattr(self, axis))
+        return {axis: coords[axis] for axis in AXES}
 
     def groups(self, axis: str) -> list[list[int]]:
         """Every group along ``axis``: the ranks that differ only in that coordinate, in order."""
@@ -93,7 +106,9 @@ class Grid:
 
     def nodes_spanned(self, axis: str, gpus_per_node: int) -> int:
         """How many nodes the widest group along ``axis`` spans when ranks fill nodes in order."""
-        return max(len({rank // gpus_per_node for rank in group}) for group in self.groups(axis))
+        dim = AXES.index(axis)
+        nodes = self.ranks().movedim(dim, -1).reshape(-1, self.shape[axis]) // gpus_per_node
+        return int(((nodes.diff(dim=1) != 0).sum(dim=1) + 1).max())  # a group's ranks ascend
 
     def inside_node(self, gpus_per_node: int) -> dict[str, bool]:
         """For each axis: whether all its groups stay inside one node (ranks fill nodes in order)."""
@@ -102,17 +117,27 @@ class Grid:
 
 @dataclass
 class ProcessGroups:
-    """This rank's coordinates and its group along each axis, plus the pipeline's channels."""
+    """This rank's coordinates and its group along each axis of the grid, plus the pipeline's channels."""
 
     grid: Grid
     coords: dict[str, int]
-    dp: object
-    pp: object
-    tp: object
+    groups: dict[str, object]
     pipe: "GridChannels"
 
+    @property
+    def dp(self):
+        return self.groups["dp"]
+
+    @property
+    def pp(self):
+        return self.groups["pp"]
+
+    @property
+    def tp(self):
+        return self.groups["tp"]
+
     def ranks(self, axis: str) -> list[int]:
-        return dist.get_process_group_ranks(getattr(self, axis))
+        return dist.get_process_group_ranks(self.groups[axis])
 
 
 class GridChannels:
@@ -152,20 +177,19 @@ def process_groups(grid: Grid) -> ProcessGroups:
     """This rank's groups along every axis of ``grid`` (created once per process and grid).
 
     Every rank creates every group, axis by axis in the order of :data:`AXES` (``new_group``
-    is collective); a warm rank keeps them between jobs.
+    is collective; ``cp`` only when ``cp > 1``); a warm rank keeps them between jobs.
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     grid.check_world(world)
     key = (grid, world, dist.get_backend(), id(dist.group.WORLD))
     if key not in _GROUPS:
         mine = {}
-        for axis in AXES:
+        for axis in grid.axes:
             for ranks in grid.groups(axis):
                 group = dist.new_group(ranks)
                 if rank in ranks:
                     mine[axis] = group
-        _GROUPS[key] = ProcessGroups(grid, grid.coords(rank), mine["dp"], mine["pp"], mine["tp"],
-                                     GridChannels(grid, rank))
+        _GROUPS[key] = ProcessGroups(grid, grid.coords(rank), mine, GridChannels(grid, rank))
     return _GROUPS[key]
 
 
@@ -176,8 +200,8 @@ def device_mesh_groups(grid: Grid) -> dict[str, list[int]]:
     from distlab.rank import device
 
     grid.check_world(dist.get_world_size())
-    mesh = init_device_mesh(device().type, (grid.dp, grid.pp, grid.tp), mesh_dim_names=AXES)
-    return {axis: dist.get_process_group_ranks(mesh[axis].get_group()) for axis in AXES}
+    mesh = init_device_mesh(device().type, tuple(grid.shape[a] for a in grid.axes), mesh_dim_names=grid.axes)
+    return {axis: dist.get_process_group_ranks(mesh[axis].get_group()) for axis in grid.axes}
 
 
 def group_ranks_worker(grid: Grid, groups_fn: Callable[[int, int, int, int], dict] | None = None) -> dict:
@@ -189,12 +213,12 @@ def group_ranks_worker(grid: Grid, groups_fn: Callable[[int, int, int, int], dic
     """
     rank = dist.get_rank()
     groups = process_groups(grid)
-    out = {"rank": rank, "coords": groups.coords, "ours": {axis: groups.ranks(axis) for axis in AXES},
+    out = {"rank": rank, "coords": groups.coords, "ours": {axis: groups.ranks(axis) for axis in grid.axes},
            "device_mesh": device_mesh_groups(grid)}
     if groups_fn is not None:
         layout = groups_fn(grid.world, grid.dp, grid.pp, grid.tp)
         theirs = {}
-        for axis in AXES:
+        for axis in ("dp", "pp", "tp"):
             for ranks in layout[axis]:
                 group = dist.new_group(sorted(ranks))
                 if rank in ranks:
@@ -350,7 +374,7 @@ def compare_with_reference(results: Sequence[dict], cfg: GPTConfig, grid: Grid, 
 
 def measured_bytes_per_axis(results: Sequence[dict], step: int = -1) -> dict[str, int]:
     """Payload bytes one rank sent along each axis in one step (the most any rank sent)."""
-    return {axis: max(r["bytes"][step][axis] for r in results) for axis in AXES}
+    return {axis: max(r["bytes"][step][axis] for r in results) for axis in ("dp", "pp", "tp")}
 
 
 def train(dp: int = 2, pp: int = 2, tp: int = 2, steps: int = 3, batch_size: int = 8, microbatches: int = 2,
