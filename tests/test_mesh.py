@@ -7,6 +7,7 @@ import distlab
 from distlab.mesh import (AXES, Grid, check_3d_setup, compare_with_reference, group_ranks_worker,
                           measured_bytes_per_axis, parallel3d_worker)
 from distlab.model import GPTConfig
+from distlab.planner import Layout, ModelShape, bytes_per_axis
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("no_leftover_ranks")]
 
@@ -70,7 +71,12 @@ def test_3d_runs_equal_one_process_and_groups_match_device_mesh():
             assert result["loss_diff"] < 1e-5, (grid, result)
             assert result["worst_param"][2] < 1e-5, (grid, result["worst_param"])
             sent = measured_bytes_per_axis(list(run))
-            assert sent["tp"] > 0 and sent["dp"] > 0 and (sent["pp"] > 0) == (pp > 1), sent
+            predicted = bytes_per_axis(ModelShape.from_config(CFG), Layout(dp=dp, tp=tp, pp=pp, zero=0, m=2,
+                                                                           micro_batch=batch // dp // 2),
+                                       sequence_parallel=False, bytes_per_value=4)
+            assert (sent["tp"], sent["pp"]) == (predicted["tp"], predicted["pp"]), (sent, predicted)
+            # the planner splits every parameter over TP; LayerNorms, biases and pos_emb are replicated
+            assert predicted["dp"] <= sent["dp"] <= 1.1 * predicted["dp"], (sent, predicted)
         # a DP sync that forgets to divide by dp no longer matches
         def summed(params, group, dp):
             for p in params:
