@@ -33,7 +33,8 @@ from distlab.model import GPT, GPTConfig, synthetic_batch
 from distlab.reference import make_optimizer, train_reference
 
 __all__ = ["AXES", "Grid", "ProcessGroups", "process_groups", "device_mesh_groups", "group_ranks_worker",
-           "average_gradients", "check_3d_setup", "parallel3d_worker", "replica_losses", "compare_with_reference",
+           "average_gradients", "check_3d_setup", "parallel3d_worker", "replica_losses", "reference_run",
+           "compare_with_reference",
            "measured_bytes_per_axis", "train"]
 
 AXES = ("dp", "pp", "cp", "tp")  # outermost to innermost, Llama 3's order
@@ -340,6 +341,13 @@ def replica_losses(results: Sequence[dict]) -> list[float]:
     return [statistics.fmean(r["losses"][i] for r in last) for i in range(len(last[0]["losses"]))]
 
 
+def reference_run(cfg: GPTConfig, batch_size: int, steps: int, optimizer: str = "sgd", lr: float = 0.1,
+                  seed: int = 0, data_seed: int = 0):
+    """The single-process run a 3D run must equal: ``GPT(cfg, seed)``, one step per whole batch."""
+    batches = [synthetic_batch(cfg, batch_size, step, seed=data_seed) for step in range(steps)]
+    return train_reference(cfg, batches, lr=lr, optimizer=optimizer, seed=seed)
+
+
 def compare_with_reference(results: Sequence[dict], cfg: GPTConfig, grid: Grid, batch_size: int, steps: int,
                            optimizer: str = "sgd", lr: float = 0.1, seed: int = 0, data_seed: int = 0) -> dict:
     """The 3D run against one process training ``GPT(cfg, seed)`` on the whole batches.
@@ -351,8 +359,7 @@ def compare_with_reference(results: Sequence[dict], cfg: GPTConfig, grid: Grid, 
     """
     from distlab.tensor_parallel import shard_of
 
-    batches = [synthetic_batch(cfg, batch_size, step, seed=data_seed) for step in range(steps)]
-    reference = train_reference(cfg, batches, lr=lr, optimizer=optimizer, seed=seed)
+    reference = reference_run(cfg, batch_size, steps, optimizer, lr, seed, data_seed)
     losses = replica_losses(results)
     loss_diff = max(abs(a - b) for a, b in zip(losses, reference.losses))
     worst, held = (-1, "", 0.0), set()
