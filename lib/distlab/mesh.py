@@ -23,6 +23,7 @@ Under torchrun::
 from __future__ import annotations
 
 import statistics
+import time
 from dataclasses import dataclass
 from typing import Callable, Sequence
 
@@ -292,8 +293,8 @@ def parallel3d_worker(cfg: GPTConfig, dp: int, pp: int, tp: int, m: int = 2, bat
 
     Every replica takes rows ``d·B/dp …`` of the step's ``batch_size`` sequences, in ``m``
     micro-batches. Returns ``rank``, ``coords``, ``losses`` (the replica's mean loss per step
-    on its last stage's ranks, else ``None``), ``state`` (this rank's shards, GPT names) and
-    ``bytes``: per step, the payload bytes this rank sent along each axis.
+    on its last stage's ranks, else ``None``), ``state`` (this rank's shards, GPT names),
+    ``bytes``: per step, the payload bytes this rank sent along each axis, and ``step_times``.
     """
     from distlab.pipeline_parallel import StageModule, even_partition, make_schedule, run_schedule
     from distlab.pipeline_parallel.train import keep_freed_memory
@@ -317,10 +318,12 @@ def parallel3d_worker(cfg: GPTConfig, dp: int, pp: int, tp: int, m: int = 2, bat
     def loss_fn(local_logits, targets):
         return vocab_parallel_cross_entropy(local_logits, targets, groups.tp)
 
-    out = {"rank": dist.get_rank(), "coords": groups.coords, "layers": list(layers), "losses": [], "bytes": []}
+    out = {"rank": dist.get_rank(), "coords": groups.coords, "layers": list(layers), "losses": [], "bytes": [],
+           "step_times": []}
     for step in range(steps):
         x, y = synthetic_batch(cfg, batch_size, step, seed=data_seed)
         micro = list(zip(x[d * rows:(d + 1) * rows].to(dev).chunk(m), y[d * rows:(d + 1) * rows].to(dev).chunk(m)))
+        start = time.perf_counter()
         before = _op_counts()
         stats = run_schedule(actions, {s: stage}, micro, loss_fn=loss_fn, p=pp, num_stages=pp, chan=groups.pipe)
         sent = {"tp": _since(before, ("all_reduce",)), "pp": _since(before, ("isend", "send"))}
@@ -329,6 +332,9 @@ def parallel3d_worker(cfg: GPTConfig, dp: int, pp: int, tp: int, m: int = 2, bat
         sent["dp"] = _since(before, ("all_reduce",))
         opt.step()
         opt.zero_grad(set_to_none=True)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        out["step_times"].append(time.perf_counter() - start)
         out["losses"].append(statistics.fmean(stats.losses.values()) if stats.losses else None)
         out["bytes"].append(sent)
     out["state"] = {name: t.detach().to("cpu", copy=True) for name, t in stage.state_dict().items()}

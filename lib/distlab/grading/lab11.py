@@ -177,15 +177,9 @@ QUIZ = [
     quiz.number("Q11.4", "MFU of Llama 3 405B at its reported 400 TFLOP/s per H100 (989 TFLOP/s peak)",
                 answer=_405B_TFLOPS / 989e12, rel_tol=0.02,
                 hint="'MFU: what the model's math gets of the machine': achieved over peak"),
-    quiz.choice("Q11.5", "why TP stays inside a node: (a) TP needs more memory than PP (b) every layer's "
-                "forward and backward waits for TP collectives of whole activations, ~9x slower over InfiniBand "
-                "(c) NCCL cannot build groups across nodes (d) TP changes the loss", answer="b", options="abcd",
+    quiz.choice("Q11.5", "why tensor parallelism stays inside a node", answer="b", options="abcd",
                 hint="'Which axis goes where': the TP seconds on NVLink and on InfiniBand"),
-    quiz.choice("Q11.6", "MFU is 18%: which is NOT one of the top suspects? (a) a pipeline bubble from too few "
-                "micro-batches (b) exposed communication: TP across nodes or an un-overlapped all-reduce "
-                "(c) recomputation and small matmuls from too small a micro-batch or TP too wide "
-                "(d) a learning rate that is too high (e) the data loader or host stalls",
-                answer="d", options="abcde",
+    quiz.choice("Q11.6", "MFU is 18%: which is not one of the top suspects", answer="d", options="abcde",
                 hint="'MFU at 18%: the top five suspects': which one does not change the time per step?"),
     quiz.number("Q11.7", "process groups along TP in Llama 3's TP 8 × PP 16 × DP 128 on 16,384 GPUs",
                 answer=len(Grid(dp=128, pp=16, tp=8).groups("tp")), rel_tol=0,
