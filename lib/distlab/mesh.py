@@ -232,23 +232,18 @@ def group_ranks_worker(grid: Grid, groups_fn: Callable[[int, int, int, int], dic
 # ---------------------------------------------------------------- training on the grid
 
 def average_gradients(params: Sequence[torch.nn.Parameter], group, dp: int) -> None:
-    """Data parallelism over ``group``: one flat all-reduce of every gradient, divided by ``dp``.
+    """Data parallelism over ``group``: one flat all-reduce of every gradient, divided by ``dp``
+    (lab 03's :func:`~distlab.data_parallel.allreduce_buckets` with one bucket, on the DP group).
 
     Each replica saw ``1/dp`` of the batch and its loss is that part's mean, so the mean of
     the replicas' gradients is the full batch's gradient. Only the ``dp`` ranks holding the
     *same* shard of the *same* stage are in a DP group: reducing over the world would add
     different tensors together.
     """
-    if dp == 1:
-        return
-    grads = [p.grad for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, group=group)
-    flat /= dp
-    offset = 0
-    for g in grads:
-        g.copy_(flat[offset:offset + g.numel()].view_as(g))
-        offset += g.numel()
+    from distlab.data_parallel import allreduce_buckets
+
+    if dp > 1:
+        allreduce_buckets([list(params)], group)
 
 
 def check_3d_setup(cfg: GPTConfig, grid: Grid, m: int, batch_size: int, world: int | None = None) -> None:
