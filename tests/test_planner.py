@@ -6,7 +6,7 @@ from distlab.memory import PRESETS
 from distlab.model import GPTConfig, flops_per_token
 from distlab.pipeline_parallel import make_schedule, peak_in_flight, simulate
 from distlab.planner import (Layout, ModelShape, bytes_per_axis, estimate, gradient_all_reduce_seconds, h100_cluster,
-                             plan, run_cost)
+                             plan, plot_plan, run_cost)
 
 
 @pytest.mark.parametrize("p,m,v", [(4, 16, 1), (4, 2, 1), (8, 8, 1), (4, 8, 2), (4, 4, 4), (8, 16, 2)])
@@ -74,3 +74,17 @@ def test_the_seeds_cost_arithmetic():
     infiniband = gradient_all_reduce_seconds("7B", 8, 50e9)
     assert infiniband / nvlink == pytest.approx(9.0)
     assert 0.04 < nvlink < 0.06
+
+
+def test_plot_plan_draws_every_estimate_and_the_highlight():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    result = plan("70B", h100_cluster(1024), 2048, cp=(1,))
+    fig, ax = plt.subplots()
+    plot_plan(ax, result, highlight=result.best.layout)
+    drawn = sum(len(c.get_offsets()) for c in ax.collections)
+    assert drawn == len(result.feasible) + len([e for e in result.near_misses if e.mfu > 0]) + 1
+    plt.close(fig)

@@ -34,7 +34,7 @@ from distlab.memory import PRESETS, Preset, activation_bytes_per_layer, bytes_pe
 from distlab.model import GPTConfig, count_params, training_flops_per_token
 
 __all__ = ["ModelShape", "Cluster", "Layout", "Estimate", "Plan", "h100_cluster", "estimate", "enumerate_layouts",
-           "plan", "bytes_per_axis", "run_cost", "gradient_all_reduce_seconds"]
+           "plan", "bytes_per_axis", "run_cost", "gradient_all_reduce_seconds", "plot_plan"]
 
 GB = 1e9
 
@@ -465,3 +465,32 @@ def gradient_all_reduce_seconds(model: ModelShape | str, gpus: int, bandwidth: f
     model = ModelShape.from_preset(model) if isinstance(model, str) else model
     return ring_all_reduce_bytes(model.n_params * bytes_per_value, gpus) / bandwidth
 
+
+def plot_plan(ax, result: Plan, highlight: Layout | None = None, hbm_headroom: float = 0.1):
+    """Every estimated layout as memory per GPU against MFU: feasible ones coloured by PP,
+    those over the memory limit grey; ``highlight`` (a published layout, say) starred."""
+    import matplotlib
+
+    usable = result.cluster.hbm_bytes * (1 - hbm_headroom) / GB
+    over = [e for e in result.near_misses if e.mfu > 0]
+    if over:
+        ax.scatter([e.memory["total"] / GB for e in over], [e.mfu for e in over], s=8, c="0.8",
+                   label="does not fit or not allowed")
+    depths = sorted({e.layout.pp for e in result.feasible})
+    cmap = matplotlib.colormaps["viridis"]
+    for i, pp in enumerate(depths):
+        group = [e for e in result.feasible if e.layout.pp == pp]
+        ax.scatter([e.memory["total"] / GB for e in group], [e.mfu for e in group], s=14,
+                   color=cmap(i / max(1, len(depths) - 1)), label=f"PP {pp}")
+    if highlight is not None:
+        e = next((e for e in result.feasible + result.near_misses if e.layout == highlight), None)
+        if e is not None:
+            ax.scatter([e.memory["total"] / GB], [e.mfu], marker="*", s=220, color="crimson", zorder=5,
+                       label=str(highlight).split(" (")[0])
+    ax.axvline(usable, color="crimson", lw=1, ls="--")
+    ax.set_xscale("log")
+    ax.set_xlabel("memory per GPU (GB, log)")
+    ax.set_ylabel("estimated MFU")
+    ax.set_title(f"{result.model.name} on {result.cluster.name}: {len(result.feasible)} feasible layouts", fontsize=10)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return ax
