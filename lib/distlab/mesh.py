@@ -246,7 +246,8 @@ def average_gradients(params: Sequence[torch.nn.Parameter], group, dp: int) -> N
         allreduce_buckets([list(params)], group)
 
 
-def check_3d_setup(cfg: GPTConfig, grid: Grid, m: int, batch_size: int, world: int | None = None) -> None:
+def check_3d_setup(cfg: GPTConfig, grid: Grid, m: int, batch_size: int, world: int | None = None,
+                   schedule: str = "1f1b") -> None:
     """Every size the 3D run needs, checked before any rank starts: one ``ValueError`` line."""
     from distlab.pipeline_parallel import check_setup
     from distlab.tensor_parallel import check_tp_sizes
@@ -259,7 +260,9 @@ def check_3d_setup(cfg: GPTConfig, grid: Grid, m: int, batch_size: int, world: i
     check_tp_sizes(cfg, grid.tp)
     if batch_size % grid.dp:
         raise ValueError(f"the batch of {batch_size} sequences does not split over dp={grid.dp} replicas")
-    check_setup(grid.pp, m, cfg.n_layer, batch_size // grid.dp, "1f1b")
+    if grid.cp > 1:
+        raise ValueError(f"this run composes DP, PP and TP; cp={grid.cp} (context parallelism, lab 07) is not part of it")
+    check_setup(grid.pp, m, cfg.n_layer, batch_size // grid.dp, schedule)
 
 
 def _op_counts() -> dict[str, tuple[int, int]]:
@@ -297,7 +300,7 @@ def parallel3d_worker(cfg: GPTConfig, dp: int, pp: int, tp: int, m: int = 2, bat
     from distlab.tensor_parallel import TensorParallelGPT, vocab_parallel_cross_entropy
 
     grid = Grid(dp, pp, tp)
-    check_3d_setup(cfg, grid, m, batch_size, dist.get_world_size())
+    check_3d_setup(cfg, grid, m, batch_size, dist.get_world_size(), schedule)
     keep_freed_memory()
     groups = process_groups(grid)
     d, s = groups.coords["dp"], groups.coords["pp"]
