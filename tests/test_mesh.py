@@ -127,4 +127,19 @@ def test_checkers_pass_the_reference_and_name_the_usual_mistakes(ranks8):
     assert "3 runs" in lab11.check_mfu(_mfu)
     with pytest.raises(CheckFailed, match="attention FLOPs .* are missing"):
         lab11.check_mfu(lambda n, L, d, s, tps, gpus, peak: 6 * n * tps / (gpus * peak))
+    from distlab.planner import bytes_per_axis as planner_bytes
+
+    def predicted(cfg, dp, pp, tp, m, micro_batch):
+        return planner_bytes(ModelShape.from_config(cfg), Layout(dp=dp, tp=tp, pp=pp, zero=0, m=m,
+                                                                 micro_batch=micro_batch),
+                             sequence_parallel=False, bytes_per_value=4)
+
+    assert "7 layouts" in lab11.check_predicted_bytes(predicted)
+
+    def without_loss(cfg, dp, pp, tp, m, micro_batch):
+        out = predicted(cfg, dp, pp, tp, m, micro_batch)
+        return {"tp": out["tp"] - (m * 3 * micro_batch * cfg.seq_len * 4 if tp > 1 else 0), "pp": out["pp"]}
+
+    with pytest.raises(CheckFailed, match="the loss's three all-reduces"):
+        lab11.check_predicted_bytes(without_loss)
     assert len([e for e in lab11.EXERCISES if e.is_quiz]) >= 5

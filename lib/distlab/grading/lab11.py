@@ -9,6 +9,9 @@
 * 11.3 ``model_flops_utilization(...)``: hidden shapes against :func:`distlab.model.training_flops_per_token`
   and :func:`distlab.flops.mfu`, with the usual slips named (no attention term, forward only,
   one GPU's peak for the whole cluster).
+* 11.4 ``predicted_bytes(cfg, dp, pp, tp, m, micro_batch)``: the TP and PP bytes the busiest rank of
+  a 3D run sends per step, against :func:`distlab.planner.bytes_per_axis` (which equals the comm
+  log of real runs, tests/test_mesh.py) on hidden shapes; a missing piece is named.
 """
 
 from __future__ import annotations
@@ -24,9 +27,10 @@ from distlab.memory import PRESETS
 from distlab.mesh import Grid, compare_with_reference, parallel3d_worker, reference_run
 from distlab.model import GPT, GPTConfig, training_flops_per_token
 from distlab.pipeline_parallel import bubble_fraction
-from distlab.planner import gradient_all_reduce_seconds, h100_cluster, run_cost
+from distlab.planner import Layout, ModelShape, bytes_per_axis, gradient_all_reduce_seconds, h100_cluster, run_cost
 
-__all__ = ["EXERCISES", "QUIZ", "check_grid_groups", "check_sync_gradients", "check_mfu", "COLLECTIVE_TIMEOUT"]
+__all__ = ["EXERCISES", "QUIZ", "check_grid_groups", "check_sync_gradients", "check_mfu", "check_predicted_bytes",
+           "COLLECTIVE_TIMEOUT"]
 
 _SEED = 11_2024
 COLLECTIVE_TIMEOUT = 30.0  # seconds: 8 ranks on 2 busy cores are slow; a deadlock still ends
@@ -160,6 +164,50 @@ def check_mfu(model_flops_utilization) -> str:
     return f"{len(cases)} runs (7B, 70B, 405B shapes): 6·N + attention FLOPs per token, over gpus × peak"
 
 
+# ---------------------------------------------------------------- 11.4
+
+def check_predicted_bytes(predicted_bytes) -> str:
+    """11.4: ``predicted_bytes(cfg, dp, pp, tp, m, micro_batch)`` → ``{"tp": bytes, "pp": bytes}`` per step."""
+    raise_if_untouched(predicted_bytes)
+    rng = random.Random(_SEED + 4)
+    cases = [(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32, tied_embeddings=False),
+              2, 2, 2, 2, 2)]
+    for _ in range(6):
+        pp, tp = rng.choice([1, 2, 4]), rng.choice([1, 2, 4])
+        n_head = tp * rng.choice([1, 2])
+        cfg = GPTConfig(vocab_size=tp * rng.choice([16, 32]), seq_len=rng.choice([8, 16, 32]),
+                        n_layer=pp * rng.choice([1, 2]), n_head=n_head, d_model=n_head * rng.choice([4, 8]),
+                        tied_embeddings=False)
+        cases.append((cfg, rng.choice([1, 2]), pp, tp, rng.choice([1, 2, 4]), rng.choice([1, 2])))
+    for cfg, dp, pp, tp, m, mb in cases:
+        want = bytes_per_axis(ModelShape.from_config(cfg), Layout(dp=dp, tp=tp, pp=pp, zero=0, m=m, micro_batch=mb),
+                              sequence_parallel=False, bytes_per_value=4)
+        got = predicted_bytes(cfg, dp, pp, tp, m, mb)
+        where = (f"DP {dp} × PP {pp} × TP {tp}, m={m} micro-batches of {mb}, n_layer={cfg.n_layer}, "
+                 f"seq_len={cfg.seq_len}, d_model={cfg.d_model}")
+        if not isinstance(got, dict) or not {"tp", "pp"} <= set(got):
+            raise CheckFailed(f"{where}: return a dict with 'tp' and 'pp', got {got!r}")
+        activation = mb * cfg.seq_len * cfg.d_model * 4
+        for axis in ("tp", "pp"):
+            if got[axis] == want[axis]:
+                continue
+            diff = want[axis] - got[axis]
+            hints = {m * 3 * mb * cfg.seq_len * 4: "the loss's three all-reduces of one fp32 value per token",
+                     m * activation: "one activation-sized all-reduce per micro-batch (the output layer's f in "
+                                     "backward, or the embedding's forward when PP = 1)",
+                     m * activation * (cfg.n_layer // pp): "one all-reduce per block",
+                     -m * activation: "the busiest rank is the last stage: the embedding's all-reduce is on stage 0"}
+            if axis == "pp":
+                hints = {m * activation: "with PP > 2 a middle stage sends both ways: activations forward, "
+                                         "gradients back",
+                         -m * activation: "with PP = 2 each rank sends one way only (the ends send nothing "
+                                          "past the model's first or last stage)"}
+            hint = hints.get(diff, "")
+            raise CheckFailed(f"{where}: {axis.upper()} {got[axis]:,} bytes, expected {want[axis]:,.0f}"
+                              + (f" — missing or extra: {hint}" if hint else ""))
+    return f"{len(cases)} layouts: TP and PP bytes of the busiest rank, as distlab's comm log counts them"
+
+
 # ---------------------------------------------------------------- quiz
 
 _405B_TFLOPS = 400e12  # Llama 3 405B's reported throughput per GPU (Dubey et al. 2024, Table 4)
@@ -190,5 +238,6 @@ EXERCISES = [
     Exercise("11.1", "the process-group grid: every group of every axis", 3, check_grid_groups),
     Exercise("11.2", "data parallelism across pipelines of tensor-parallel stages", 3, check_sync_gradients),
     Exercise("11.3", "MFU with the 6·N rule and attention FLOPs", 2, check_mfu),
+    Exercise("11.4", "the bytes each axis sends, predicted", 3, check_predicted_bytes),
     *QUIZ,
 ]
