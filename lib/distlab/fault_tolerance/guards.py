@@ -176,8 +176,8 @@ def diagnose_nonfinite(model: nn.Module, x: torch.Tensor, targets: torch.Tensor,
             peak = float(reference.abs().max())
             if bool(torch.isfinite(reference).all()) and peak > FP16_MAX:
                 found.append(Diagnosis("fp16-overflow", name, f"its output reaches {peak:.3g} in fp32, above fp16's "
-                                       f"maximum {FP16_MAX:.0f}, so fp16 stores inf: compute in bf16 (fp32's range) "
-                                       f"or scale the loss"))
+                                       f"maximum {FP16_MAX:.0f}, so fp16 stores inf: compute in bf16, which has "
+                                       f"fp32's exponent range"))
                 return
         found.append(Diagnosis("nonfinite-activation", name, "a non-finite output from finite inputs"))
 

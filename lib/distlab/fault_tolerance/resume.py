@@ -63,15 +63,16 @@ class ShuffledOrder:
         return torch.randperm(self.n_items, generator=generator)
 
     def next_batch(self) -> torch.Tensor:
-        indices = []
-        while len(indices) < self.batch_size:
+        chunks, count = [], 0
+        while count < self.batch_size:
             if self.position == self.n_items:
                 self.epoch, self.position = self.epoch + 1, 0
                 self._order = self._permutation(self.epoch)
-            take = min(self.batch_size - len(indices), self.n_items - self.position)
-            indices.append(self._order[self.position:self.position + take])
+            take = min(self.batch_size - count, self.n_items - self.position)
+            chunks.append(self._order[self.position:self.position + take])
             self.position += take
-        return torch.cat(indices)
+            count += take
+        return torch.cat(chunks)
 
     def state_dict(self) -> dict:
         return {"epoch": self.epoch, "position": self.position, "seed": self.seed, "n_items": self.n_items}

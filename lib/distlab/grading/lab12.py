@@ -94,7 +94,7 @@ def _compare_checkpoints(mine: dict, reference: dict, where: str) -> None:
         ref_keys = [k for k in reference if k.startswith(prefix)]
         my_keys = [k for k in mine if k.startswith(prefix)]
         if not my_keys:
-            raise CheckFailed(f"{where} holds no {what} (no '{prefix}…' entry): state_dict() must return "
+            raise CheckFailed(f"{where} does not hold {what} (no '{prefix}…' entry): state_dict() must return "
                               f"model, optim, data and step, or a resumed job cannot continue exactly")
         for key in ref_keys:
             if key not in mine:
@@ -114,8 +114,6 @@ def _resume_case(train_resumable, case: dict) -> None:
     where_text = _describe_case(case)
     with tempfile.TemporaryDirectory(prefix="distlab-check12-") as tmp:
         ref_dir, my_dir = Path(tmp, "reference"), Path(tmp, "yours")
-        reference = ranks.run(resumable_train, args=(str(ref_dir), case["steps"], case["save_every"]),
-                              kwargs=case["setup"], show_output=False, timeout=JOB_TIMEOUT)[0]
         report = run_with_restarts(train_resumable, case["world"], str(my_dir), ranks=ranks, max_restarts=2,
                                    kwargs=dict(case["setup"], steps=case["steps"], save_every=case["save_every"]),
                                    faults={0: case["fault"]}, timeout=JOB_TIMEOUT)
@@ -127,6 +125,8 @@ def _resume_case(train_resumable, case: dict) -> None:
         if len(report.attempts) > 2:
             raise CheckFailed(f"{where_text}: the resumed job failed again ({report.attempts[1].outcome})")
         losses = report.run[0]
+        reference = ranks.run(resumable_train, args=(str(ref_dir), case["steps"], case["save_every"]),
+                              kwargs=case["setup"], show_output=False, timeout=JOB_TIMEOUT)[0]
         if not isinstance(losses, dict) or not losses:
             raise CheckFailed(f"{where_text}: train_resumable must return {{step: loss}} for the steps it ran, "
                               f"got {type(losses).__name__}")
