@@ -167,7 +167,8 @@ def test_diagnosis_names_fp16_overflow_division_by_zero_and_corrupted_weights(on
     flipped = copy.deepcopy(model)
     flip_bit(flipped.blocks[0].attn.qkv.weight.data, 5, 30)
     found = diagnose_nonfinite(flipped, x, y)
-    assert (found.kind, found.where) == ("corrupted-parameter", "blocks.0.attn.qkv.weight") and "element 5" in str(found)
+    assert (found.kind, found.where) == ("corrupted-parameter", "blocks.0.attn.qkv.weight")
+    assert "element 5" in str(found)
 
 
 def test_young_daly_and_the_llama3_failure_rate():
@@ -176,7 +177,7 @@ def test_young_daly_and_the_llama3_failure_rate():
     assert job_mtbf_hours(1024) == pytest.approx(16 * job_mtbf_hours(16_384))
     tau = young_interval(60, 3600)
     assert tau == pytest.approx(math.sqrt(2 * 60 * 3600))
-    assert waste_fraction(tau, 60, 3600) < min(waste_fraction(0.8 * tau, 60, 3600), waste_fraction(1.25 * tau, 60, 3600))
+    assert waste_fraction(tau, 60, 3600) < min(waste_fraction(f * tau, 60, 3600) for f in (0.8, 1.25))
     assert young_interval(1, 1e6) == pytest.approx(daly_interval(1, 1e6), rel=1e-3)  # Daly → Young as δ/M → 0
     assert daly_interval(100, 40) == 40  # δ ≥ 2M: checkpoint every MTBF
     plan = plan_cadence(16_384, 60, restart_seconds=600)
@@ -224,7 +225,7 @@ def test_async_save_writes_what_sync_save_writes_and_both_are_timed(tmp_path):
 
 
 def test_the_guard_decides_alike_on_every_rank_and_rolls_back(tmp_path):
-    kwargs = dict(bad={5: "empty", 6: "empty", 7: "empty"}, bad_ranks=(1,), save_every=2, **SMALL)
+    kwargs = dict(bad={5: ("empty", (1,)), 6: ("empty", (1,)), 7: ("empty", (0,))}, save_every=2, **SMALL)
     run = _ranks(2).run(guarded_train, args=(str(tmp_path), 9, SpikeGuard(warmup=2, patience=3)), kwargs=kwargs,
                         show_output=False)
     decisions = [[r["decision"] for r in out["records"]] for out in run]

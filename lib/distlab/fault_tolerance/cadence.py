@@ -94,7 +94,8 @@ class Cadence:
     waste: float  # at Young's interval
 
     def __str__(self) -> str:
-        return (f"{self.n_gpus:>6,} GPUs: MTBF {self.mtbf_hours:7.2f} h; checkpoint stall {self.checkpoint_seconds:g} s "
+        return (f"{self.n_gpus:>6,} GPUs: MTBF {self.mtbf_hours:7.2f} h; checkpoint stall "
+                f"{self.checkpoint_seconds:g} s "
                 f"-> every {self.interval_minutes:6.1f} min (Daly {self.daly_minutes:6.1f}); lose "
                 f"{self.lost_minutes_per_failure:5.1f} min per failure; {self.waste:.1%} of the time wasted")
 

@@ -31,7 +31,9 @@ import re
 import shutil
 import threading
 import time
+import warnings
 import zlib
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -44,6 +46,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 from torch.distributed.checkpoint.stateful import Stateful
 
 from distlab.fault_tolerance.faults import DyingWriter
+from distlab.timeline import span
 
 __all__ = [
     "CheckpointError", "MANIFEST", "PARTIAL_SUFFIX", "checkpoint_path", "list_checkpoints", "latest_checkpoint",
@@ -195,6 +198,16 @@ def checkpoint_group():
     return _GROUPS[key]
 
 
+@contextmanager
+def _one_process_is_intended(group):
+    """Without a process group DCP works on one process and warns that it assumes so; here that is the intent
+    (reading a sharded checkpoint in a notebook), so that warning is not shown."""
+    with warnings.catch_warnings():
+        if group is None:
+            warnings.filterwarnings("ignore", message=r"torch\.distributed is disabled, unavailable or uninitialized")
+        yield
+
+
 def _rank() -> int:
     return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
 
@@ -216,15 +229,18 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _prepare(root: str | os.PathLike, step: int, group) -> tuple[Path, Path]:
-    """Rank 0 clears a stale partial directory of this step; everyone waits until it has."""
+def _prepare(root: str | os.PathLike, step: int) -> tuple[Path, Path]:
+    """Rank 0 clears a stale partial directory of this step (debris of a save a crash interrupted).
+
+    No barrier is needed: DCP writes no shard before rank 0 has joined the save's first
+    collective (the plan), which it does only after this. Other ranks may already have
+    created the (empty) directory while preparing their local plan, hence ``exist_ok``.
+    """
     final = checkpoint_path(root, step)
     partial = final.with_name(final.name + PARTIAL_SUFFIX)
     if _rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)
-        partial.mkdir(parents=True)
-    if group is not None:
-        dist.barrier(group=group)
+        partial.mkdir(parents=True, exist_ok=True)
     return partial, final
 
 
@@ -258,8 +274,9 @@ def save_checkpoint(state: dict, root: str | os.PathLike, step: int, *, meta: di
     :class:`~distlab.fault_tolerance.faults.Fault`) kills a rank mid-write, for the lab.
     """
     group = checkpoint_group()
-    partial, final = _prepare(root, step, group)
-    dcp.save(state, storage_writer=_writer(partial, step, fault), process_group=group)
+    partial, final = _prepare(root, step)
+    with _one_process_is_intended(group):
+        dcp.save(state, storage_writer=_writer(partial, step, fault), process_group=group, no_dist=group is None)
     if _rank() == 0:
         _commit(partial, final, step, _world(), meta or {})
     if group is not None:
@@ -277,6 +294,8 @@ class PendingCheckpoint:
         self._partial, self._meta, self._world, self._rank = partial, meta, _world(), _rank()
         self._done = threading.Event()
         self._error: BaseException | None = None
+        self._span = span("background write", kind="comm")  # on this rank's timeline: off the critical path
+        self._span.__enter__()
         upload.add_done_callback(self._finish)  # runs on the writer thread when its last collective returns
 
     def _finish(self, upload) -> None:
@@ -288,6 +307,7 @@ class PendingCheckpoint:
             self._error = error
         finally:
             self.finished = time.perf_counter()
+            self._span.__exit__(None, None, None)
             self._done.set()
 
     def done(self) -> bool:
@@ -313,9 +333,10 @@ def async_save_checkpoint(state: dict, root: str | os.PathLike, step: int, *, me
     if previous is not None:
         previous.wait()
     group = checkpoint_group()
-    partial, final = _prepare(root, step, group)
-    response = dcp.async_save(state, storage_writer=FileSystemWriter(str(partial), sync_files=True),
-                              process_group=group)
+    partial, final = _prepare(root, step)
+    with _one_process_is_intended(group):
+        response = dcp.async_save(state, storage_writer=FileSystemWriter(str(partial), sync_files=True),
+                                  process_group=group, no_dist=group is None)
     upload = getattr(response, "upload_completion", response)  # torch >= 2.9 may return an AsyncSaveResponse
     return PendingCheckpoint(upload, partial, final, step, meta or {})
 
@@ -342,7 +363,8 @@ def load_checkpoint(state: dict, path: str | os.PathLike, *, verify: bool = True
     outcome, value = verdict[0]
     if outcome == "error":
         raise CheckpointError(value)
-    dcp.load(state, storage_reader=FileSystemReader(value["path"]), process_group=group)
+    with _one_process_is_intended(group):
+        dcp.load(state, storage_reader=FileSystemReader(value["path"]), process_group=group, no_dist=group is None)
     return value
 
 

@@ -1,4 +1,4 @@
-"""Detectors that name the bad rank: replica hashes and gradient norms for silent data corruption, and a hang's odd one out.
+"""Detectors that name the bad rank: replica hashes and gradient norms for SDC, and a hang's odd one out.
 
 Silent data corruption (SDC) is a wrong result with no error: a flipped bit in a
 GPU's memory or arithmetic. Data parallelism gives a free witness. Every DP replica

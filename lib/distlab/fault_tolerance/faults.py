@@ -19,7 +19,7 @@ import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint import FileSystemWriter
 
-__all__ = ["Fault", "die", "DyingWriter", "hang_in_recv", "flip_bit", "corrupt_file"]
+__all__ = ["Fault", "die", "DyingWriter", "hang_in_recv", "flip_bit", "corrupt_file", "flip_bit_on_disk"]
 
 
 @dataclass(frozen=True)
@@ -107,3 +107,27 @@ def corrupt_file(path: str | os.PathLike, offset: int | None = None) -> int:
         f.seek(offset)
         f.write(bytes([byte ^ 0x10]))
     return offset
+
+
+def flip_bit_on_disk(checkpoint: str | os.PathLike, tensor: torch.Tensor, index: int, bit: int) -> tuple[str, int]:
+    """Flip bit ``bit`` of element ``index`` of ``tensor`` where a checkpoint stores it on disk: bit rot.
+
+    DCP stores a tensor's raw bytes contiguously inside a rank's shard file, so the
+    saved copy is found by searching the files for the tensor's bytes. Returns the
+    file's name and the byte offset changed.
+    """
+    raw = tensor.detach().cpu().contiguous().numpy().tobytes()
+    size = tensor.element_size()
+    if not 0 <= index < tensor.numel() or not 0 <= bit < 8 * size:
+        raise ValueError(f"element {index}, bit {bit} is outside a {tensor.numel()}-element {tensor.dtype} tensor")
+    for file in sorted(Path(checkpoint).glob("*.distcp")):
+        data = file.read_bytes()
+        at = data.find(raw)
+        if at >= 0:
+            offset = at + index * size + bit // 8  # little-endian (x86, ARM): bit k lives in byte k // 8
+            corrupt = bytes([data[offset] ^ (1 << (bit % 8))])
+            with open(file, "r+b") as f:
+                f.seek(offset)
+                f.write(corrupt)
+            return file.name, offset
+    raise ValueError(f"{Path(checkpoint).name} holds no copy of that tensor's bytes")

@@ -248,12 +248,11 @@ def _step_with_guard(setup: TrainSetup, indices: torch.Tensor, guard, bad: str |
             "reason": getattr(guard, "reason", "")}
 
 
-def guarded_train(ckpt_dir: str, steps: int, guard, *, bad: dict | None = None, bad_ranks: tuple | None = None,
-                  save_every: int = 4,
+def guarded_train(ckpt_dir: str, steps: int, guard, *, bad: dict | None = None, save_every: int = 4,
                   cfg: GPTConfig | None = None, batch_size: int = 8, lr: float = 3e-3, seed: int = 0,
                   data_seed: int = 0, n_items: int = 64) -> dict:
-    """Train with ``guard`` deciding every step; ``bad[step] = kind`` spoils that step's batch on
-    ``bad_ranks`` (default: every rank, a bad global batch).
+    """Train with ``guard`` deciding every step; ``bad[step]`` spoils that step's batch: ``kind`` on
+    every rank (a bad global batch), or ``(kind, ranks)`` on those ranks only.
 
     Runs on every rank. Good state is checkpointed every ``save_every`` applied steps; a
     rollback reloads the last checkpoint's weights and optimizer state but keeps the data
@@ -265,7 +264,8 @@ def guarded_train(ckpt_dir: str, steps: int, guard, *, bad: dict | None = None, 
     records, applied = [], 0
     save_checkpoint({"train": setup.state}, ckpt_dir, 0)  # a rollback before the first save returns here
     for step in range(steps):
-        spoiled = bad.get(step) if bad_ranks is None or dist.get_rank() in bad_ranks else None
+        kind, where = (bad[step] if isinstance(bad.get(step), tuple) else (bad.get(step), None))
+        spoiled = kind if where is None or dist.get_rank() in where else None
         record = _step_with_guard(setup, setup.order.next_batch(), guard, spoiled, step)
         if record["decision"] == "ok":
             applied += 1

@@ -78,8 +78,8 @@ def _train_fsdp(setup: TrainSetup, steps: int) -> list[float]:
     return losses
 
 
-def fsdp_job(ckpt_dir: str, *, train_steps: int = 0, save: bool = True, load: bool = False, cfg: GPTConfig | None = None,
-             batch_size: int = 8, seed: int = 0) -> dict:
+def fsdp_job(ckpt_dir: str, *, train_steps: int = 0, save: bool = True, load: bool = False,
+             cfg: GPTConfig | None = None, batch_size: int = 8, seed: int = 0) -> dict:
     """On every rank: build FSDP2 GPT (a seed per world size, so a load must overwrite it), optionally load
     the latest checkpoint in ``ckpt_dir`` (whatever world size wrote it), train, optionally save.
 

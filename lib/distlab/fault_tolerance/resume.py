@@ -29,7 +29,7 @@ import torch.distributed as dist
 
 from distlab.data_parallel import BucketedDDP
 from distlab.fault_tolerance.checkpoint import (TrainState, async_save_checkpoint, latest_checkpoint,
-                                                 load_checkpoint, save_checkpoint)
+                                                 load_checkpoint, partial_checkpoints, save_checkpoint)
 from distlab.fault_tolerance.faults import Fault
 from distlab.launcher import CollectiveTimeout, RankCrashed, launch
 from distlab.model import GPT, GPTConfig, synthetic_batch
@@ -137,7 +137,7 @@ def make_training(cfg: GPTConfig | None = None, batch_size: int = 8, lr: float =
     world = dist.get_world_size() if dist.is_initialized() else 1
     if batch_size % world:
         raise ValueError(f"global batch {batch_size} is not divisible by world_size {world}")
-    model = GPT(cfg, seed=seed)
+    model = GPT(cfg, seed=seed).to(device())  # this rank's GPU under NCCL, else the CPU
     ddp = BucketedDDP(model, bucket_cap_bytes=2**20) if dist.is_initialized() else None
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
     order = ShuffledOrder(n_items, batch_size, seed=data_seed)
@@ -217,6 +217,7 @@ class Attempt:
     outcome: str  # "finished", or the failure's first line
     failed_rank: int | None = None
     seconds: float = 0.0
+    partial: list[str] = field(default_factory=list)  # partial checkpoints on disk when it started (never loaded)
 
 
 @dataclass
@@ -232,6 +233,8 @@ class RestartReport:
         lines = []
         for a in self.attempts:
             where = f"resumed from {Path(a.resumed_from).name}" if a.resumed_from else "started fresh"
+            if a.partial:
+                where += f" (ignored the partial {', '.join(a.partial)})"
             lines.append(f"attempt {a.number}: {where}; {a.outcome}")
         return "\n".join(lines)
 
@@ -251,6 +254,7 @@ def run_with_restarts(worker: Callable, world_size: int, ckpt_dir: str, *, kwarg
     report = RestartReport()
     for attempt in range(max_restarts + 1):
         latest = latest_checkpoint(ckpt_dir)
+        partial = [p.name for p in partial_checkpoints(ckpt_dir)]
         job_kwargs = dict(kwargs or {}, attempt=attempt, fault=faults.get(attempt))
         started = time.perf_counter()
         try:
@@ -265,10 +269,10 @@ def run_with_restarts(worker: Callable, world_size: int, ckpt_dir: str, *, kwarg
             if rank is None and getattr(failure, "waiting", None):
                 rank = min(failure.waiting)
             report.attempts.append(Attempt(attempt, str(latest) if latest else None, first, rank,
-                                           time.perf_counter() - started))
+                                           time.perf_counter() - started, partial))
             continue
         report.attempts.append(Attempt(attempt, str(latest) if latest else None, "finished", None,
-                                       time.perf_counter() - started))
+                                       time.perf_counter() - started, partial))
         report.run = run
         return report
     raise RuntimeError(f"the job failed {max_restarts + 1} times in a row; last: {report.attempts[-1].outcome}")

@@ -77,7 +77,8 @@ def _resume_cases(rng: random.Random) -> list[dict]:
 def _describe_case(case: dict) -> str:
     fault = case["fault"]
     how = "while writing step_%08d" % fault.step if fault.where == "save" else f"before step {fault.step}"
-    return f"{case['world']} ranks, {case['steps']} steps, a checkpoint every {case['save_every']}, rank {fault.rank} killed {how}"
+    return (f"{case['world']} ranks, {case['steps']} steps, a checkpoint every {case['save_every']}, "
+            f"rank {fault.rank} killed {how}")
 
 
 def _normalised(flat: dict) -> dict:
@@ -106,7 +107,8 @@ def _compare_checkpoints(mine: dict, reference: dict, where: str) -> None:
                           if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
                           else f"({a!r} instead of {b!r})")
                 raise CheckFailed(f"{where}: {key} ({what}) differs from the uninterrupted run's {detail}: save "
-                                  f"after the optimizer step, and name the checkpoint by the number of updates it holds")
+                                  f"after the optimizer step, and name the checkpoint by the number of updates "
+                                  f"it holds")
 
 
 def _resume_case(train_resumable, case: dict) -> None:
@@ -293,7 +295,7 @@ def check_spike_guard(guard_class) -> str:
     """12.3: ``guard_class(window, loss_factor, grad_factor, patience, warmup).decide(loss, grad_norm)``."""
     n = _check_sequences(guard_class, random.Random(_SEED + 3))
     cfg = GPTConfig(vocab_size=64, seq_len=16, n_layer=1, n_head=2, d_model=16)
-    kwargs = dict(bad={6: "garbage", 8: "empty", 9: "empty", 10: "empty", 12: "garbage"}, bad_ranks=(1,),
+    kwargs = dict(bad={6: "garbage", 8: ("empty", (1,)), 9: ("empty", (1,)), 10: ("empty", (0,)), 12: "garbage"},
                   save_every=3, cfg=cfg, batch_size=4, lr=1e-2, n_items=16)
     ranks = _ranks(2)
     with tempfile.TemporaryDirectory(prefix="distlab-check12-") as tmp:
@@ -312,7 +314,7 @@ def check_spike_guard(guard_class) -> str:
             if not torch.equal(value, reference[0]["weights"][name]):
                 raise CheckFailed(f"after the guarded DDP run, rank {rank}'s {name} differs from the reference's")
     return (f"{n} hidden loss/gradient-norm sequences decided like the reference; a 2-rank DDP run with garbage and "
-            f"empty batches on one rank skipped and rolled back identically ({want.count('skip')} skipped, "
+            f"batches empty on one rank skipped and rolled back identically ({want.count('skip')} skipped, "
             f"{want.count('rollback')} rolled back)")
 
 
