@@ -21,8 +21,9 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# As root (Docker, Colab terminals) JupyterLab refuses to start without --allow-root.
 lab: install
-	$(VENV)/bin/jupyter lab labs/
+	$(VENV)/bin/jupyter lab labs/ $(if $(filter 0,$(shell id -u)),--allow-root,)
 
 test: install
 	$(PY) -m distlab labs --check

@@ -214,3 +214,20 @@ def test_hello_world_under_torchrun_environment(tmp_path):
         assert p.returncode == 0, err
         assert f"rank {rank} of 2 on cpu: all_reduce(rank + 1) = 3" in out and "RESULT 3.0" in out
 
+
+
+# ---------------------------------------------------------------- the CUDA path (runs where there is a GPU)
+
+def _lab02_paths_on_this_rank():
+    dev = distlab.device()
+    x = torch.arange(1000.0, device=dev)
+    ring, tree, via = C.ring_all_reduce(x.clone()), C.tree_all_reduce(x.clone()), C.all_reduce_via_reduce_scatter(x.clone())
+    times = C.time_all_reduce(C.builtin_all_reduce, 1 << 20, reps=2)
+    return str(dev), dist.get_backend(), all(torch.equal(t, x) for t in (ring, tree, via)), len(times)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_one_nccl_rank_on_a_gpu_runs_the_lab_02_paths(no_leftover_ranks):
+    (device, backend, equal, timed), = distlab.launch(_lab02_paths_on_this_rank, 1, backend="nccl")
+    assert (device, backend, equal, timed) == ("cuda:0", "nccl", True, 2)
+    assert list(distlab.launch(C.hello_world, 1, backend="nccl")) == [1.0]

@@ -16,14 +16,18 @@ def _normalise(text: str) -> str:
 
 
 def _notebook_outputs(path: Path) -> str:
+    """Every cell's printed text; a cell's stream chunks are joined as printed (the kernel splits one print
+    burst into several outputs depending on timing), cells and other outputs by a newline."""
     nb = nbformat.read(path, as_version=4)
     texts = []
     for cell in nb.cells:
+        streams = {}
         for output in cell.get("outputs", []):
-            if "text" in output:
-                texts.append(output["text"])
+            if output.get("output_type") == "stream":
+                streams[output["name"]] = streams.get(output["name"], "") + output["text"]
             elif "text/plain" in output.get("data", {}):
                 texts.append(output["data"]["text/plain"])
+        texts.extend(streams.values())
     return _normalise("\n".join(texts))
 
 

@@ -1,5 +1,6 @@
 """Labs 00 and 02 checkers: the references pass; wrong rings fail naming rank and element (or the bytes they
-sent); a ring that calls dist.all_reduce is caught; a deadlock fails fast; an untouched stub is 'not attempted'."""
+sent); a ring that calls dist.all_reduce is caught; a "tree" with too many messages is caught; a deadlock fails
+fast; an untouched stub is 'not attempted'."""
 
 import sys
 
@@ -12,10 +13,12 @@ import distlab
 from distlab import collectives as C
 from distlab.grading import CheckFailed, lab00, lab02
 from distlab.grading.lab00 import check_mean_across_ranks, check_rank_sum
-from distlab.grading.lab02 import check_all_reduce_via_reduce_scatter, check_ring_all_gather, check_ring_all_reduce
+from distlab.grading.lab02 import (check_all_reduce_via_reduce_scatter, check_ring_all_gather, check_ring_all_reduce,
+                                   check_tree_all_reduce)
 
 # Send this module's functions to the ranks by value: a fresh rank then need not import pytest and this file.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
+pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("no_leftover_ranks")]
 
 
 # ---------------------------------------------------------------- student answers, right and wrong
@@ -108,8 +111,8 @@ def reduce_scatter_without_padding(x):
 # ---------------------------------------------------------------- the references pass
 
 def test_exercise_ids_and_points():
-    assert [e.id for e in lab00.EXERCISES] == ["0.1", "0.2"]
-    assert [e.id for e in lab02.EXERCISES] == ["2.1", "2.2", "2.3"]
+    assert [e.id for e in lab00.EXERCISES if not e.is_quiz] == ["0.1", "0.2"]
+    assert [e.id for e in lab02.EXERCISES if not e.is_quiz] == ["2.1", "2.2", "2.3", "2.4"]
     assert all(e.points > 0 for e in lab00.EXERCISES + lab02.EXERCISES)
 
 
@@ -118,7 +121,8 @@ def test_references_pass_every_checker(no_leftover_ranks):
             ("0.1", rank_sum, "2, 3 and 4 ranks"), ("0.2", mean_across_ranks, "random tensors"),
             ("2.1", C.ring_all_reduce, "each rank sent 2(N-1)/N*M bytes"),
             ("2.2", C.ring_all_gather, "each rank sent (N-1)/N*M bytes"),
-            ("2.3", C.all_reduce_via_reduce_scatter, "reduce-scatter + all-gather")]:
+            ("2.3", C.all_reduce_via_reduce_scatter, "reduce-scatter + all-gather"),
+            ("2.4", C.tree_all_reduce, "at most ceil(log2 N) messages")]:
         result = distlab.check(exercise_id, fn, quiet=True)
         assert result.status == "passed" and result.points == result.max_points, result
         assert detail in result.detail
@@ -159,9 +163,22 @@ def test_naive_all_reduce_sends_too_much():
         check_ring_all_reduce(naive_all_reduce)
 
 
-def test_deadlocked_ring_fails_fast(monkeypatch, no_leftover_ranks):
+def test_a_ring_or_a_builtin_is_no_tree():
+    with pytest.raises(CheckFailed, match=r"rank 0 sent 2 messages on 2 ranks, but a latency-optimal all-reduce "
+                                          r"needs only ceil\(log2 N\) = 1 .*rank r xor 2\^k"):
+        check_tree_all_reduce(C.ring_all_reduce)
+    with pytest.raises(CheckFailed, match=r"your tree sent 0 bytes with send/isend \(it called dist.all_reduce\)"):
+        check_tree_all_reduce(ring_with_builtin)
+    # everyone-to-everyone: right sums, N-1 messages per rank, too many from N = 4 on
+    with pytest.raises(CheckFailed, match=r"sent 3 messages on 4 ranks"):
+        check_tree_all_reduce(naive_all_reduce)
+
+
+def test_deadlocked_ring_fails_fast_with_the_hint_for_what_happened(monkeypatch, no_leftover_ranks):
     monkeypatch.setattr(lab00, "COLLECTIVE_TIMEOUT", 1.5)
-    with pytest.raises(CheckFailed, match=r"your ring deadlocked on 2 ranks: .*use dist.isend"):
+    with pytest.raises(CheckFailed, match=r"^your ring deadlocked on 2 ranks: every rank waits to receive \(rank 0 "
+                                          r"waits for rank 1, rank 1 waits for rank 0\) and none is sending.* Hint: start "
+                                          r"each send before the matching receive \(dist.isend\)"):
         check_ring_all_reduce(deadlocking_ring)
 
 
@@ -182,7 +199,7 @@ def test_reduce_scatter_all_gather_mistakes():
     assert result.status == "failed" and "raised RankFailed" in result.detail
 
 
-@pytest.mark.parametrize("exercise_id", ["0.1", "0.2", "2.1", "2.2", "2.3"])
+@pytest.mark.parametrize("exercise_id", ["0.1", "0.2", "2.1", "2.2", "2.3", "2.4"])
 def test_stub_is_not_attempted(exercise_id, capsys, no_leftover_ranks):
     result = distlab.check(exercise_id, stub)
     assert result.status == "not attempted" and result.points == 0

@@ -61,7 +61,7 @@ def test_needs_recognises_a_stub_raised_inside_ranks(capsys):
 
 
 def test_claim_prints_what_held_or_stops_with_one_line(capsys):
-    assert distlab.claim(2 < 3, holds="2 is below 3", fails="unreachable")
+    assert distlab.claim(2 < 3, holds="2 is below 3", fails="unreachable") is None
     assert capsys.readouterr().out == "✓ 2 is below 3\n"
     with pytest.raises(ClaimFailed, match="^overlap lost: look at the timeline$") as info:
         distlab.claim(False, holds="unused", fails="overlap lost: look at the timeline")

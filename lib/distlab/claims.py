@@ -27,9 +27,11 @@ class ClaimFailed(AssertionError):
         return [f"ClaimFailed: {self}"]
 
 
-def claim(condition: bool, holds: str, fails: str) -> bool:
-    """Print ``✓ holds`` when ``condition`` is true; otherwise raise :class:`ClaimFailed` (``fails``)."""
+def claim(condition: bool, holds: str, fails: str) -> None:
+    """Print ``✓ holds`` when ``condition`` is true; otherwise raise :class:`ClaimFailed` (``fails``).
+
+    Returns nothing, so a claim that ends a cell adds no ``True`` under the line it printed.
+    """
     if not condition:
         raise ClaimFailed(fails)
     print(f"✓ {holds}")
-    return True

@@ -6,7 +6,10 @@ import argparse
 import importlib
 import json
 import sys
+import time
 from pathlib import Path
+
+from distlab.notebooks import DEFAULT_THRESHOLD, DEFAULT_TIMEOUT
 
 # Subcommands that own their argument parsing: name -> "module:function(argv) -> int".
 DELEGATED = {"data": "distlab.data.cli:main", "doctor": "distlab.doctor:main"}
@@ -42,19 +45,37 @@ def _execute(args) -> int:
 
 
 def _grade(args) -> int:
-    from distlab.notebooks import format_grades, grade_notebook, grades_json
+    from distlab.notebooks import class_report, format_report, grade_notebooks
 
-    grades = []
-    for path in args.paths:
-        print(f"grading {path} …", file=sys.stderr, flush=True)
-        grades.append(grade_notebook(Path(path), cell_timeout=args.timeout))
-    print(format_grades(grades))
-    report = grades_json(grades)
+    missing = [p for p in args.paths if not Path(p).is_file()]
+    if missing:
+        print(f"distlab grade: no such notebook: {', '.join(missing)}", file=sys.stderr)
+        return 2
+    started = time.perf_counter()
+
+    def progress(done: int, total: int, grade) -> None:
+        note = f", {grade.error}" if grade.error else ""
+        print(f"[{done}/{total}] {grade.student}: {grade.points}/{grade.max_points} points, {grade.seconds:.0f} s{note}",
+              file=sys.stderr, flush=True)
+
+    jobs = args.jobs or None
+    print(f"grading {len(args.paths)} notebook(s), {jobs or 'auto'} at a time, at most {args.timeout:g} s each …",
+          file=sys.stderr, flush=True)
+    grades = grade_notebooks(args.paths, timeout=args.timeout, jobs=jobs, warm=not args.cold, progress=progress)
+    report = class_report(grades, threshold=args.threshold, min_pass=args.min_pass)
+    report["wall_seconds"] = round(time.perf_counter() - started, 1)
+    print(format_report(report))
+    print(f"graded in {report['wall_seconds']:.0f} s")
     if args.json:
-        Path(args.json).write_text(json.dumps(report, indent=2) + "\n", encoding="utf-8")
-    met = report["fraction"] >= args.threshold
-    print(f"threshold {args.threshold:.0%}: {'met' if met else 'not met'}")
-    return 0 if met else 1
+        Path(args.json).write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    return 0 if report["ok"] else 1
+
+
+def _fraction(text: str) -> float:
+    value = float(text)
+    if not 0.0 <= value <= 1.0:
+        raise argparse.ArgumentTypeError(f"a fraction between 0 and 1, got {text}")
+    return value
 
 
 def parser() -> argparse.ArgumentParser:
@@ -74,12 +95,19 @@ def parser() -> argparse.ArgumentParser:
     execute.add_argument("--timeout", type=int, default=600, help="seconds per cell")
     execute.set_defaults(run=_execute)
 
-    grade = sub.add_parser("grade", help="execute notebooks headless and score their exercises")
-    grade.add_argument("paths", nargs="+")
-    grade.add_argument("--json", metavar="FILE", help="write the full report as JSON")
-    grade.add_argument("--threshold", type=float, default=1.0,
-                       help="fraction of all points needed for exit code 0 (default 1.0)")
-    grade.add_argument("--timeout", type=int, default=600, help="seconds per cell")
+    grade = sub.add_parser("grade", help="execute student notebooks headless and report per student and exercise")
+    grade.add_argument("paths", nargs="+", metavar="NOTEBOOK")
+    grade.add_argument("--json", metavar="FILE", help="write the per-student and per-exercise report as JSON")
+    grade.add_argument("--threshold", type=_fraction, default=DEFAULT_THRESHOLD,
+                       help=f"fraction of its points a notebook needs to pass (default {DEFAULT_THRESHOLD:g})")
+    grade.add_argument("--min-pass", type=int, metavar="N",
+                       help="exit status 0 when at least N notebooks pass (default: all of them)")
+    grade.add_argument("--timeout", type=float, default=DEFAULT_TIMEOUT,
+                       help=f"seconds per notebook; a notebook still running is stopped and reported "
+                            f"(default {DEFAULT_TIMEOUT:g})")
+    grade.add_argument("--jobs", type=int, default=0, help="notebooks at once (default: one per two CPU cores)")
+    grade.add_argument("--cold", action="store_true",
+                       help="start every kernel from scratch instead of forking warm ones")
     grade.set_defaults(run=_grade)
 
     for name in DELEGATED:

@@ -1,4 +1,4 @@
-"""Collectives from first principles: ring all-reduce and all-gather built from sends and receives.
+"""Collectives from first principles: ring and tree all-reduce, ring all-gather, built from sends and receives.
 
 Labs 00 and 02 teach with these functions; the tests, the checkers and
 ``benchmarks/bench_ring.py`` use them as the one reference.
@@ -16,6 +16,12 @@ chunks around). Each step moves one chunk of M/N bytes, so every rank sends
 and, with a per-message latency alpha and a link bandwidth beta, takes
 
     t(M) = 2(N-1) * alpha + 2(N-1)/N * M / beta  (:func:`ring_all_reduce_time`).
+
+The ring is bandwidth-optimal but pays 2(N-1) latencies. Recursive doubling
+(:func:`tree_all_reduce`) exchanges the whole tensor with rank ``r xor 2^k`` in
+log2(N) rounds: log2(N) latencies, but log2(N) * M bytes per rank. Small
+messages are latency-bound and want the tree; large ones are bandwidth-bound and
+want the ring; :func:`crossover_bytes` is where the model says they cost the same.
 """
 
 from __future__ import annotations
@@ -31,13 +37,18 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
-    "hello_world", "chunk_sizes", "split_chunks", "ring_all_reduce", "ring_all_gather",
+    "hello_world", "chunk_sizes", "split_chunks", "ring_all_reduce", "ring_all_gather", "tree_all_reduce",
     "all_reduce_via_reduce_scatter", "builtin_all_reduce", "ring_all_reduce_bytes", "ring_all_gather_bytes",
-    "ring_all_reduce_time", "fit_alpha_beta", "bus_bandwidth", "time_all_reduce", "bandwidth_sweep",
-    "format_sweep", "first_mismatch", "KiB", "MiB",
+    "tree_steps", "tree_all_reduce_bytes", "all_reduce_cost", "ring_all_reduce_time", "tree_all_reduce_time",
+    "fit_alpha_beta", "crossover_bytes", "measured_crossover", "bus_bandwidth", "time_all_reduce",
+    "bandwidth_sweep", "format_sweep", "human_bytes", "human_rate", "median_time", "first_mismatch", "KiB", "MiB",
+    "SEGMENT_BYTES", "ring_peers",
 ]
 
 KiB, MiB = 2**10, 2**20
+# The pipelined ring cuts each ring step's chunk into segments of about this size, so that
+# one segment is on the wire while the previous one is being added (chosen by benchmarks/bench_ring.py).
+SEGMENT_BYTES = MiB
 
 
 # ---------------------------------------------------------------- hello, world
@@ -91,7 +102,7 @@ def split_chunks(flat: torch.Tensor, n: int) -> list[torch.Tensor]:
     return list(torch.split(flat, chunk_sizes(flat.numel(), n)))
 
 
-def _ring_peers(group) -> tuple[int, int, int, int]:
+def ring_peers(group) -> tuple[int, int, int, int]:
     """(my index in the group, group size, global rank of my right neighbour, of my left one)."""
     rank, n = dist.get_rank(group), dist.get_world_size(group)
     right, left = (rank + 1) % n, (rank - 1) % n
@@ -121,29 +132,131 @@ def _exchange(send: torch.Tensor, recv: torch.Tensor, right: int, left: int, gro
 
 # ---------------------------------------------------------------- ring algorithms
 
-def ring_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
-    """Sum ``tensor`` over all ranks in place with a ring of point-to-point messages; return it.
+def ring_all_reduce(tensor: torch.Tensor, group=None, segment_bytes: int | None = SEGMENT_BYTES) -> torch.Tensor:
+    """Sum ``tensor`` over all ranks in place with a pipelined ring of point-to-point messages; return it.
 
     Phase 1, reduce-scatter: in step s rank r sends chunk (r - s) mod N to the
     right and adds the chunk (r - s - 1) mod N that arrives from the left.
     After N-1 steps rank r holds the complete sum of chunk (r + 1) mod N.
     Phase 2, all-gather: in step s rank r sends chunk (r + 1 - s) mod N to the
     right and overwrites chunk (r - s) mod N with the finished one from the left.
+
+    Pipelining: what rank r sends in step s + 1 is exactly the chunk it received
+    (and reduced) in step s. So each chunk is cut into segments of about
+    ``segment_bytes``, and a segment is forwarded as soon as it has arrived and been
+    added, while the next segments are still on the wire: the 2(N-1) steps become one
+    stream instead of 2(N-1) stop-and-wait rounds. ``segment_bytes=None`` is the plain
+    ring of exercise 2.1, one message per step. Either way each rank sends
+    2(N-1)/N * M bytes.
     """
-    rank, n, right, left = _ring_peers(group)
+    rank, n, right, left = ring_peers(group)
     if n == 1:
         return tensor
     work = tensor if tensor.is_contiguous() else tensor.contiguous()
     chunks = split_chunks(work.view(-1), n)
-    scratch = torch.empty_like(chunks[0])  # chunk 0 is the largest
-    for step in range(n - 1):  # reduce-scatter
-        send_idx, recv_idx = (rank - step) % n, (rank - step - 1) % n
-        incoming = scratch[: chunks[recv_idx].numel()]
-        _exchange(chunks[send_idx], incoming, right, left, group)
-        chunks[recv_idx].add_(incoming)
-    for step in range(n - 1):  # all-gather
-        send_idx, recv_idx = (rank + 1 - step) % n, (rank - step) % n
-        _exchange(chunks[send_idx], chunks[recv_idx], right, left, group)
+    pieces = max(1, -(-chunks[0].numel() * work.element_size() // segment_bytes)) if segment_bytes else 1
+    segments = [split_chunks(chunk, pieces) for chunk in chunks]
+    scratch = [split_chunks(torch.empty_like(chunks[0]), pieces) for _ in range(2)]  # chunk 0 is the largest
+    sends: list = []
+
+    def isend(segment: torch.Tensor, tag: int) -> None:
+        if segment.numel():
+            sends.append(dist.isend(segment, right, group=group, tag=tag))
+
+    def irecv(segment: torch.Tensor, tag: int):
+        return dist.irecv(segment, left, group=group, tag=tag) if segment.numel() else None
+
+    def post_reduce_recvs(step: int) -> list:
+        into = (rank - step - 1) % n
+        return [irecv(scratch[step % 2][j][: segments[into][j].numel()], step * pieces + j) for j in range(pieces)]
+
+    # reduce-scatter: receive into scratch, add, forward the reduced segment at once
+    for j, segment in enumerate(segments[rank]):
+        isend(segment, j)
+    pending = post_reduce_recvs(0)
+    for step in range(n - 1):
+        upcoming = post_reduce_recvs(step + 1) if step + 1 < n - 1 else []
+        into = (rank - step - 1) % n
+        for j, request in enumerate(pending):
+            if request is None:
+                continue
+            request.wait()
+            segments[into][j].add_(scratch[step % 2][j][: segments[into][j].numel()])
+            if step + 1 < n - 1:
+                isend(segments[into][j], (step + 1) * pieces + j)
+        pending = upcoming
+    _wait_all(sends)  # the all-gather overwrites chunks these sends may still be reading
+    # all-gather: every receive lands in its final place, so post them all, and forward each on arrival
+    base = (n - 1) * pieces
+    finished = (rank + 1) % n
+    for j, segment in enumerate(segments[finished]):
+        isend(segment, base + j)
+    requests = [[irecv(segments[(rank - step) % n][j], base + step * pieces + j) for j in range(pieces)]
+                for step in range(n - 1)]
+    for step in range(n - 1):
+        for j, request in enumerate(requests[step]):
+            if request is None:
+                continue
+            request.wait()
+            if step + 1 < n - 1:
+                isend(segments[(rank - step) % n][j], base + (step + 1) * pieces + j)
+    _wait_all(sends)
+    if work is not tensor:
+        tensor.copy_(work)
+    return tensor
+
+
+def _wait_all(requests: list) -> None:
+    for request in requests:
+        request.wait()
+    requests.clear()
+
+
+def tree_all_reduce(tensor: torch.Tensor, group=None) -> torch.Tensor:
+    """Sum ``tensor`` over all ranks in place by recursive doubling; return it. Latency-optimal.
+
+    With N a power of two: in round k = 0 … log2(N)-1 rank r exchanges its whole
+    (partially summed) tensor with rank r xor 2^k and adds what it receives. After
+    round k each rank holds the sum over a block of 2^(k+1) ranks, so log2(N)
+    rounds sum over all of them: log2(N) latencies instead of the ring's 2(N-1),
+    for log2(N) * M bytes per rank instead of 2(N-1)/N * M.
+
+    Any other N: with p the largest power of two <= N, each of the N - p extra
+    ranks first hands its tensor to rank r - p (which adds it), sits out the
+    rounds among the first p ranks, and receives the finished sum back: two more
+    rounds. The sum order is the same on both sides of every exchange, so all ranks
+    end bitwise equal.
+    """
+    rank, n = dist.get_rank(group), dist.get_world_size(group)
+    if n == 1:
+        return tensor
+    work = tensor if tensor.is_contiguous() else tensor.contiguous()
+    flat = work.view(-1)
+    incoming = torch.empty_like(flat)
+
+    def peer(r: int) -> int:
+        return r if group is None else dist.get_global_rank(group, r)
+
+    p = 1 << (n.bit_length() - 1)
+    if rank >= p:  # an extra rank: fold in, wait for the answer
+        _wait_all([dist.isend(flat, peer(rank - p), group=group)])
+        _wait_all([dist.irecv(flat, peer(rank - p), group=group)])
+    else:
+        if rank + p < n:
+            _wait_all([dist.irecv(incoming, peer(rank + p), group=group)])
+            flat.add_(incoming)
+        distance = 1
+        while distance < p:
+            partner = rank ^ distance
+            _wait_all([dist.isend(flat, peer(partner), group=group), dist.irecv(incoming, peer(partner), group=group)])
+            if partner < rank:  # the lower rank's partial sum first on both sides: bitwise equal results
+                incoming.add_(flat)
+                flat.copy_(incoming)
+            else:
+                flat.add_(incoming)
+            distance *= 2
+        if rank + p < n:
+            _wait_all([dist.isend(flat, peer(rank + p), group=group)])
     if work is not tensor:
         tensor.copy_(work)
     return tensor
@@ -156,7 +269,7 @@ def ring_all_gather(tensor: torch.Tensor, group=None) -> list[torch.Tensor]:
     receives the piece of rank (r - s - 1) mod N from the left: N-1 steps, each
     rank sends (N-1) pieces, i.e. (N-1)/N of the gathered output.
     """
-    rank, n, right, left = _ring_peers(group)
+    rank, n, right, left = ring_peers(group)
     pieces = [torch.empty_like(tensor) for _ in range(n)]
     pieces[rank].copy_(tensor)
     for step in range(n - 1):
@@ -203,16 +316,56 @@ def ring_all_gather_bytes(output_bytes: float, world_size: int) -> float:
     return (world_size - 1) * output_bytes / world_size
 
 
+def tree_steps(world_size: int) -> int:
+    """Sequential messages of recursive doubling: log2(p) rounds among p = 2^floor(log2 N) ranks,
+    plus one to fold the N - p extra ranks in and one to hand them the result."""
+    if world_size < 1:
+        raise ValueError(f"world_size must be >= 1, got {world_size}")
+    p = 1 << (world_size.bit_length() - 1)
+    return (p.bit_length() - 1) + (2 if world_size > p else 0)
+
+
+def tree_all_reduce_bytes(message_bytes: float, world_size: int) -> float:
+    """The most bytes any rank sends in :func:`tree_all_reduce`: the whole M in each of its rounds."""
+    p = 1 << (world_size.bit_length() - 1)
+    return ((p.bit_length() - 1) + (1 if world_size > p else 0)) * message_bytes
+
+
+def all_reduce_cost(algorithm: str, message_bytes, world_size: int):
+    """(latencies, bytes) on the critical path of an all-reduce: the α–β model is latencies·α + bytes/β.
+
+    ring: 2(N-1) steps of M/N bytes each; tree (recursive doubling): :func:`tree_steps` rounds of M each.
+    """
+    n = world_size
+    if algorithm == "ring":
+        return 2 * (n - 1), ring_all_reduce_bytes(message_bytes, n)
+    if algorithm == "tree":
+        return tree_steps(n), tree_steps(n) * message_bytes
+    raise ValueError(f"algorithm must be 'ring' or 'tree', got {algorithm!r}")
+
+
 def ring_all_reduce_time(message_bytes, world_size: int, alpha: float, beta: float):
     """The alpha-beta model: t = 2(N-1)*alpha + 2(N-1)/N * M / beta (alpha in s, beta in bytes/s)."""
-    return 2 * (world_size - 1) * alpha + ring_all_reduce_bytes(message_bytes, world_size) / beta
+    latencies, nbytes = all_reduce_cost("ring", message_bytes, world_size)
+    return latencies * alpha + nbytes / beta
 
 
-def fit_alpha_beta(message_bytes: Sequence[float], seconds: Sequence[float], world_size: int) -> tuple[float, float]:
-    """Fit (alpha, beta) of :func:`ring_all_reduce_time` to measured times by least squares.
+def tree_all_reduce_time(message_bytes, world_size: int, alpha: float, beta: float):
+    """The alpha-beta model of recursive doubling: t = steps * (alpha + M / beta), steps = log2(N) for N = 2^k."""
+    latencies, nbytes = all_reduce_cost("tree", message_bytes, world_size)
+    return latencies * alpha + nbytes / beta
 
-    The model is linear in (alpha, 1/beta). Each point is weighted by 1/t, so a
-    4 KiB message (latency-bound) counts as much as a 16 MiB one (bandwidth-bound).
+
+def fit_alpha_beta(message_bytes: Sequence[float], seconds: Sequence[float], world_size: int,
+                   algorithm: str | Sequence[str] = "ring") -> tuple[float, float]:
+    """Fit (alpha, beta) of the α–β model to measured all-reduce times by least squares.
+
+    ``algorithm`` names the algorithm of every sample ("ring" or "tree"), or one per
+    sample: a ring and a tree built from the same sends share one alpha and one
+    beta, so fitting both together pins alpha with the tree's few large messages
+    and beta with the ring's many small ones. The model is linear in (alpha, 1/beta);
+    each point is weighted by 1/t, so a 4 KiB message (latency-bound) counts as much
+    as a 16 MiB one (bandwidth-bound).
     """
     import numpy as np
 
@@ -220,11 +373,51 @@ def fit_alpha_beta(message_bytes: Sequence[float], seconds: Sequence[float], wor
         raise ValueError("an all-reduce on one rank sends nothing; fit on world_size >= 2")
     m = np.asarray(message_bytes, dtype=float)
     t = np.asarray(seconds, dtype=float)
-    design = np.stack([np.full_like(m, 2.0 * (world_size - 1)), ring_all_reduce_bytes(m, world_size)], axis=1)
+    names = [algorithm] * len(m) if isinstance(algorithm, str) else list(algorithm)
+    if len(names) != len(m):
+        raise ValueError(f"{len(names)} algorithm names for {len(m)} samples")
+    design = np.array([all_reduce_cost(name, size, world_size) for name, size in zip(names, m)], dtype=float)
     (alpha, inv_beta), *_ = np.linalg.lstsq(design / t[:, None], np.ones_like(t), rcond=None)
     if inv_beta <= 0:  # noise swamped the slope: fall back to the largest message's bandwidth
-        inv_beta = t[-1] / design[-1, 1]
+        largest = int(np.argmax(m))
+        inv_beta = t[largest] / design[largest, 1]
     return max(float(alpha), 0.0), float(1.0 / inv_beta)
+
+
+def crossover_bytes(world_size: int, alpha: float, beta: float) -> float:
+    """The message size at which the α–β model says ring and tree all-reduce take equally long.
+
+    Below it the tree's fewer latencies win, above it the ring's fewer bytes. With
+    S steps and B·M bytes on each one's critical path, M* = (S_ring - S_tree)·α·β /
+    (B_tree - B_ring); for N = 4 that is 8·α·β. ``inf`` when the tree never loses
+    (N = 2, where both send M per rank).
+    """
+    s_ring, b_ring = all_reduce_cost("ring", 1.0, world_size)
+    s_tree, b_tree = all_reduce_cost("tree", 1.0, world_size)
+    if b_tree <= b_ring:
+        return math.inf
+    return max(0.0, (s_ring - s_tree) * alpha * beta / (b_tree - b_ring))
+
+
+def median_time(rows: list[dict], name: str, message_bytes: int) -> float:
+    """The median seconds of implementation ``name`` at ``message_bytes`` in :func:`bandwidth_sweep` rows."""
+    for row in rows:
+        if row["name"] == name and row["bytes"] == message_bytes:
+            return row["median_s"]
+    raise KeyError(f"no {name!r} row at {message_bytes} bytes")
+
+
+def measured_crossover(rows: list[dict], small: str = "tree", large: str = "ring") -> float | None:
+    """Where ``large`` starts to beat ``small`` in a sweep: interpolated on log(size) between the last
+    size ``small`` wins and the first ``large`` wins; ``None`` when the order never flips."""
+    sizes = sorted({r["bytes"] for r in rows if r["name"] in (small, large)})
+    logratio = [math.log(median_time(rows, large, s) / median_time(rows, small, s)) for s in sizes]
+    for i in range(1, len(sizes)):
+        if logratio[i - 1] > 0 >= logratio[i]:
+            a, b = logratio[i - 1], logratio[i]
+            x0, x1 = math.log(sizes[i - 1]), math.log(sizes[i])
+            return math.exp(x0 + (x1 - x0) * a / (a - b))
+    return None
 
 
 def bus_bandwidth(message_bytes: float, seconds: float, world_size: int) -> float:
@@ -292,34 +485,41 @@ def bandwidth_sweep(impls: dict[str, Callable], sizes: Sequence[int], ranks=None
     return rows
 
 
-def _human_bytes(n: float) -> str:
-    for unit, scale in (("MiB", MiB), ("KiB", KiB)):
+def human_bytes(n: float) -> str:
+    """``4096`` → ``"4 KiB"``, ``5.2e6`` → ``"4.96 MiB"`` (three significant digits)."""
+    for unit, scale in (("GiB", 2**30), ("MiB", MiB), ("KiB", KiB)):
         if n >= scale:
-            return f"{n / scale:g} {unit}"
-    return f"{n:g} B"
+            return f"{n / scale:.3g} {unit}"
+    return f"{n:.3g} B"
+
+
+def human_rate(bytes_per_second: float) -> str:
+    """A bandwidth with the unit that keeps three significant digits: ``"5.1 MB/s"``, ``"0.36 GB/s"``."""
+    for unit, scale in (("GB/s", 1e9), ("MB/s", 1e6), ("kB/s", 1e3)):
+        if bytes_per_second >= 0.1 * scale:
+            return f"{bytes_per_second / scale:.3g} {unit}"
+    return f"{bytes_per_second:.3g} B/s"
 
 
 def format_sweep(rows: list[dict], baseline: str | None = None) -> str:
-    """A table of :func:`bandwidth_sweep` rows: one line per size, median time and bus GB/s per impl.
+    """A table of :func:`bandwidth_sweep` rows: one line per size, median time and bus bandwidth per impl.
 
-    With ``baseline`` (an impl name), a last column gives the first other
-    impl's median time divided by the baseline's (> 1: slower than baseline).
+    With ``baseline`` (an impl name), one more column per other impl gives its
+    median time divided by the baseline's (> 1: slower than the baseline).
     """
     names = list(dict.fromkeys(r["name"] for r in rows))
     sizes = list(dict.fromkeys(r["bytes"] for r in rows))
     by = {(r["name"], r["bytes"]): r for r in rows}
-    head = f"{'size':>10}" + "".join(f"{name + ' ms':>13}{name + ' GB/s':>14}" for name in names)
-    other = next((name for name in names if name != baseline), None) if baseline else None
-    if other:
-        head += f"{other + '/' + baseline:>14}"
+    others = [name for name in names if name != baseline] if baseline else []
+    head = f"{'size':>10}" + "".join(f"{name + ' ms':>12}{name + ' busbw':>14}" for name in names)
+    head += "".join(f"{other + '/' + baseline:>12}" for other in others)
     lines = [head]
     for size in sizes:
-        line = f"{_human_bytes(size):>10}"
+        line = f"{human_bytes(size):>10}"
         for name in names:
             row = by[(name, size)]
-            line += f"{row['median_s'] * 1e3:>13.3f}{row['busbw'] / 1e9:>14.3f}"
-        if other:
-            line += f"{by[(other, size)]['median_s'] / by[(baseline, size)]['median_s']:>14.2f}"
+            line += f"{row['median_s'] * 1e3:>12.3f}{human_rate(row['busbw']):>14}"
+        line += "".join(f"{by[(o, size)]['median_s'] / by[(baseline, size)]['median_s']:>12.2f}" for o in others)
         lines.append(line)
     return "\n".join(lines)
 

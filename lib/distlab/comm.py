@@ -319,6 +319,25 @@ def _caller_line() -> str:
     return "?"
 
 
+_NO_FUTURE: set[tuple[str, str]] = set()  # (backend, op) whose works have no future
+
+
+def _on_completion(work, op: str, callback) -> None:
+    """Stamp the true completion time, so overlap shows on the timeline.
+
+    Some works have no future (gloo's point-to-point ones); asking raises a C++ error that captures a
+    backtrace, ~100 µs per message, so each (backend, op) is asked once. Without a future the span
+    ends at ``wait()``.
+    """
+    key = (dist.get_backend() if dist.is_initialized() else "", op)
+    if key in _NO_FUTURE:
+        return
+    try:
+        work.get_future().add_done_callback(callback)
+    except RuntimeError:
+        _NO_FUTURE.add(key)
+
+
 def _finish_event(log: CommLog, index: int) -> None:
     op, size, start, end = log.events[index]
     if end != end:  # NaN: not finished yet
@@ -378,10 +397,7 @@ def _wrap(op: str, real: Callable) -> Callable:
         _unfinished[index] = tracked
         if op == "isend":
             _publish_inflight()
-        try:  # stamp the true completion time, so overlap shows on the timeline
-            work.get_future().add_done_callback(tracked._done)
-        except RuntimeError:
-            pass  # this backend/op has no future; the span then ends at wait()
+        _on_completion(work, op, tracked._done)
         return tracked
 
     counted.__distlab_real__ = real
@@ -405,3 +421,81 @@ def install() -> None:
         counted = _wrap(op, real)
         setattr(distributed_c10d, op, counted)
         setattr(dist, op, counted)
+    _install_functional()
+
+
+# ---------------------------------------------------------------- functional collectives (DTensor)
+#
+# DTensor (``parallelize_module``'s tensor parallelism, ``distribute_tensor``, ``full_tensor()``)
+# redistributes tensors with ``torch.distributed._functional_collectives`` ("funcol"), not with
+# the ``torch.distributed`` calls above. They are counted here under their own names
+# (``functional_all_reduce`` ...), so a log can tell them apart from the c10d calls a lab makes.
+# A functional collective returns at once (its result is waited for on first use), so its
+# event ends when it is issued: calls and bytes are exact; its span on a timeline is not.
+
+FUNCTIONAL_OPS: dict[str, str] = {  # funcol function -> name in the log (its cost model: WIRE_BYTES of the c10d op)
+    "all_reduce": "functional_all_reduce",
+    "all_gather_tensor": "functional_all_gather",
+    "all_gather_single": "functional_all_gather",  # torch >= 2.13 name of all_gather_tensor
+    "reduce_scatter_tensor": "functional_reduce_scatter",
+    "reduce_scatter_single": "functional_reduce_scatter",
+    "all_to_all_single": "functional_all_to_all",
+    "broadcast": "functional_broadcast",
+}
+_FUNCTIONAL_COST = {"functional_all_reduce": "all_reduce", "functional_all_gather": "all_gather",
+                    "functional_reduce_scatter": "reduce_scatter", "functional_all_to_all": "all_to_all",
+                    "functional_broadcast": "broadcast"}
+
+
+def _functional_group_size(group) -> int:
+    from torch.distributed import _functional_collectives as funcol
+
+    try:
+        return funcol._expand_group(group)[2]
+    except Exception:  # a private helper: if it moves, fall back to the default group
+        return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def _wrap_functional(name: str, real: Callable) -> Callable:
+    logged = FUNCTIONAL_OPS[name]
+    signature = inspect.signature(real)
+
+    @functools.wraps(real)
+    def counted(*args, **kwargs):
+        if _recorder.depth:  # all_gather_tensor calls all_gather_single: count once
+            return real(*args, **kwargs)
+        bound = signature.bind(*args, **kwargs).arguments
+        world = _functional_group_size(bound.get("group"))
+        size = _nbytes(next(iter(bound.values())))
+        if logged == "functional_all_gather":
+            size *= world  # M = the gathered output, as for the c10d all-gathers
+        stats = _log.ops[logged]
+        stats.calls += 1
+        stats.payload_bytes += size
+        stats.wire_bytes += WIRE_BYTES[_FUNCTIONAL_COST[logged]](size, world)
+        start = time.perf_counter() - _clock_origin
+        log, index = _log, len(_log.events)
+        log.events.append((logged, size, start, float("nan")))
+        _recorder.depth += 1
+        try:
+            return real(*args, **kwargs)
+        except Exception as error:
+            error.distlab_op = logged
+            raise
+        finally:
+            _recorder.depth -= 1
+            _finish_event(log, index)
+
+    counted.__distlab_real__ = real
+    return counted
+
+
+def _install_functional() -> None:
+    """Wrap the functional collectives DTensor calls (module attributes of funcol; idempotent)."""
+    from torch.distributed import _functional_collectives as funcol
+
+    for name in FUNCTIONAL_OPS:
+        real = getattr(funcol, name, None)
+        if real is None or hasattr(real, "__distlab_real__"):
+            continue
+        setattr(funcol, name, _wrap_functional(name, real))

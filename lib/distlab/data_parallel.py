@@ -47,7 +47,7 @@ __all__ = [
     "DEFAULT_BUCKET_CAP_BYTES", "broadcast_parameters", "allreduce_gradients", "gradient_params", "gradient_bytes",
     "assign_buckets", "allreduce_buckets", "Bucket", "NaiveDDP", "BucketedDDP", "OverlappedDDP", "TorchDDP",
     "VARIANTS", "make_ddp", "EdgeCaseGPT", "build_model", "local_batches", "global_batch", "train_step",
-    "train_worker", "reference_run", "train",
+    "train_worker", "exposed_sync_times", "reference_run", "train",
 ]
 
 DEFAULT_BUCKET_CAP_BYTES = 25 * 2**20  # PyTorch DDP's default bucket_cap_mb=25
@@ -539,6 +539,30 @@ def train_worker(variant: str = "overlapped", cfg: GPTConfig | None = None, step
         "step_times": times, "state": _state(module) if return_state else None,
         "grad_bytes": gradient_bytes(module), "n_buckets": len(buckets) if buckets is not None else None,
     }
+
+
+def exposed_sync_times(run, skip: int = 0) -> list[float]:
+    """Per step of a :func:`train_worker` run, the communication left exposed after backward.
+
+    It is the time from the end of ``backward`` to the start of ``optimizer`` (where
+    ``finish_gradient_sync`` waits), the slowest rank's per step: all of the all-reduce
+    for naive and bucketed DDP, only what backward did not hide for overlapped DDP.
+    The first ``skip`` steps (warm-up) are left out.
+    """
+    per_rank: dict[int, list[float]] = {}
+    for rank in range(run.world_size):
+        spans = sorted((s for s in run.spans if s.rank == rank), key=lambda s: s.start)
+        backward_end = None
+        gaps = []
+        for s in spans:
+            if s.label == "backward":
+                backward_end = s.end
+            elif s.label == "optimizer" and backward_end is not None:
+                gaps.append(s.start - backward_end)
+                backward_end = None
+        per_rank[rank] = gaps[skip:]
+    steps = min((len(g) for g in per_rank.values()), default=0)
+    return [max(per_rank[r][i] for r in per_rank) for i in range(steps)]
 
 
 def reference_run(cfg: GPTConfig | None = None, steps: int = 3, batch_size: int = 8, seed: int = 0,

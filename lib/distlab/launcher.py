@@ -72,11 +72,18 @@ class LaunchError(RuntimeError):
 
 
 class RankFailed(LaunchError):
-    """A rank raised an exception. ``exc_type`` names it (e.g. "NotImplementedError")."""
+    """A rank raised an exception. ``exc_type`` names it (e.g. "NotImplementedError").
 
-    def __init__(self, message: str, rank: int, exc_type: str, failed_ranks: list[int]):
+    ``group_intact`` is True when every rank reported, none was inside a communication op or had one in
+    flight, and their ledgers balance: the process group is as clean as after a successful job, so a warm
+    group keeps its ranks (a stub lab's guarded cells then cost milliseconds, not a restart each).
+    """
+
+    def __init__(self, message: str, rank: int, exc_type: str, failed_ranks: list[int],
+                 group_intact: bool = False):
         super().__init__(message)
         self.rank, self.exc_type, self.failed_ranks = rank, exc_type, failed_ranks
+        self.group_intact = group_intact
 
 
 class RankCrashed(LaunchError):
@@ -258,10 +265,10 @@ def _forkserver_context():
             _context = mp.get_context("spawn")
         else:
             _context = mp.get_context("forkserver")
-            # torch.fx's symbolic_shapes (sympy) is imported lazily by the first meta-device model build;
-            # importing it here once saves every new rank about half a second of CPU.
+            # torch.fx's symbolic_shapes (sympy) and torch._dynamo are imported lazily by the first meta-device
+            # model build and the first dispatch mode; importing them here once saves every new rank ~1.5 s of CPU.
             _context.set_forkserver_preload(["torch", "torch.distributed", "torch.fx.experimental.symbolic_shapes",
-                                             "cloudpickle", "distlab.rank", "distlab.reaper"])
+                                             "torch._dynamo", "cloudpickle", "distlab.rank", "distlab.reaper"])
     return _context
 
 
@@ -372,8 +379,8 @@ class _RankGroup:
         stdout = [self._read_output(r) for r in range(self.world_size)]
         stderr = [self._read_output(r, stream="err")[:self.dump_offsets.get(r)] for r in range(self.world_size)]
         if isinstance(outcome, LaunchError):
-            if not isinstance(outcome, ReturnValueError):  # a bad return value leaves the ranks healthy
-                self.close()
+            if not (isinstance(outcome, ReturnValueError) or getattr(outcome, "group_intact", False)):
+                self.close()  # ranks left mid-communication (or dead): the next job needs fresh ones
             _print_rank_output(stdout, [_without_fault_dump(text) for text in stderr])
             raise outcome
         values, comm_logs, spans = outcome
@@ -422,7 +429,10 @@ class _RankGroup:
             if first_failure_at is not None:
                 window = _FAILURE_WINDOW if self._has_root_cause(errors, crashed) else _CONSEQUENCE_WINDOW
                 if not pending or now - first_failure_at > window:
-                    return self._failure(errors, crashed, pending)
+                    failure = self._failure(errors, crashed, pending)
+                    if isinstance(failure, RankFailed):
+                        failure.group_intact = _group_intact(errors, crashed, pending, ledgers)
+                    return failure
             stuck = self._stuck_ranks(pending, now)
             if stuck:
                 return self._timeout_report(stuck, {}, pending, crashed, frames=self._blocked_frames(stuck))
@@ -756,6 +766,13 @@ def _classify(info: dict) -> str:
     return "op_error"
 
 
+def _group_intact(errors, crashed, pending, ledgers) -> bool:
+    """Every rank reported, each failure was raised outside any op with nothing in flight, and the ledgers balance."""
+    return (not pending and not crashed
+            and all(not info.get("in_op") and not info.get("in_flight") for info in errors.values())
+            and not _unmatched_communication(ledgers))
+
+
 def _unmatched_communication(ledgers: list[dict]) -> list[str]:
     """What the ranks' ledgers say was left unmatched: collective counts per group, p2p bytes per pair."""
     problems = []
@@ -983,8 +1000,8 @@ class Ranks:
                 self.start()
                 run = self._group.run(fn, args, kwargs, timeout)
             except BaseException as error:
-                if isinstance(error, ReturnValueError):
-                    raise
+                if isinstance(error, ReturnValueError) or getattr(error, "group_intact", False):
+                    raise  # the ranks are clean: keep them for the next job
                 group, self._group = self._group, None  # detached first: no later run can reuse it
                 _close_quietly(group, guard)
                 if isinstance(error, KeyboardInterrupt) and not isinstance(error, LaunchInterrupted):

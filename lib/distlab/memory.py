@@ -213,19 +213,22 @@ def _half_bytes(numerator: int) -> int | float:
 
 
 def activation_bytes_per_layer(seq_len: int, batch: int, d_model: int, n_head: int,
-                               checkpointing: bool = False, bytes_per_value: int = 2) -> int | float:
+                               checkpointing: bool = False, bytes_per_value: int = 2,
+                               flash_attention: bool = False) -> int | float:
     """Activation bytes one transformer layer keeps for backward (Korthikanti et al. 2022, §4).
 
     Without recomputation: ``s·b·h·(34 + 5·a·s/h)`` bytes for 16-bit activations, where
     34·sbh covers the stored inputs of LayerNorms, QKV, attention, projections, MLP and GELU
     (plus 1-byte dropout masks) and 5·a·s²·b the attention scores, softmax and its dropout mask.
     With full recomputation only the layer input is kept: ``2·s·b·h``. ``bytes_per_value``
-    rescales both (the formula is written for 2): 4 for fp32 activations.
+    rescales both (the formula is written for 2): 4 for fp32 activations. ``flash_attention``:
+    a fused kernel (FlashAttention) keeps no s×s scores, so the ``5·a·s/h`` term drops out.
     """
     s, b, h, a = seq_len, batch, d_model, n_head
     if checkpointing:
         return _half_bytes(2 * s * b * h * bytes_per_value)
-    return _half_bytes(s * b * (34 * h + 5 * a * s) * bytes_per_value)
+    scores = 0 if flash_attention else 5 * a * s
+    return _half_bytes(s * b * (34 * h + scores) * bytes_per_value)
 
 
 @dataclass(frozen=True)

@@ -55,7 +55,16 @@ def load(topic: str, directory: Path | None = None) -> dict:
 
 
 def describe(results: dict) -> str:
-    """One line naming the machine a result came from, for the notebook to print beside it."""
+    """One line naming the machine a result came from, for the notebook to print beside it.
+
+    A benchmark that ran CPU ranks on a machine that also has GPUs saves ``ran_on`` (e.g. "16 CPU
+    cores, gloo ranks") so the line names what it measured, not the hardware it ignored.
+    """
     m = results.get("machine", {})
-    where = ", ".join(m["gpus"]) if m.get("gpus") else f"{m.get('cpus', '?')} CPU cores ({m.get('processor', '?')})"
+    if results.get("ran_on"):
+        where = results["ran_on"]
+    elif m.get("gpus"):
+        where = ", ".join(m["gpus"])
+    else:
+        where = f"{m.get('cpus', '?')} CPU cores ({m.get('processor', '?')})"
     return f"measured by the benchmark on {where}, torch {m.get('torch', '?')}, {m.get('date', '?')}"

@@ -77,8 +77,9 @@ class StageStats:
 class Ledger:
     """Counts every document that enters and every rejection with its reason.
 
-    Rejections are kept as rows (id, url, source, hash, reason, snippet) so a run can
-    write them to a rejection bucket and a notebook can show samples per rule.
+    Rejections are kept as rows (id, url, source, hash, reason, snippet, and where a
+    stage left one: the document it duplicates, the read error, the evidence) so a run
+    can write them to a rejection bucket and a notebook can show samples per rule.
     """
 
     def __init__(self, keep_rows: bool = True, snippet_chars: int = 300):
@@ -98,6 +99,7 @@ class Ledger:
                 "id": doc.id, "url": doc.url, "source": doc.source, "reason": reason,
                 "hash_before": doc.meta.get("hash_before", text_hash(doc.text)),
                 "snippet": doc.text[: self.snippet_chars],
+                **{key: doc.meta[key] for key in ("duplicate_of", "error", "evidence") if key in doc.meta},
             })
 
     @property

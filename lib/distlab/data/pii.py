@@ -1,10 +1,11 @@
 """Stage 5a: scrub personally identifiable information before it reaches the model.
 
 Regular expressions find emails, phone numbers, IPv4/IPv6 addresses and payment
-card numbers; candidates are validated (the ``ipaddress`` module for IPs, the Luhn
-checksum for cards) so that version strings, dates and order numbers survive.
-Matches become placeholders and are counted per type. Cards are matched first so
-their digit groups are never mistaken for phone numbers.
+card numbers; candidates are validated (the ``ipaddress`` module for IPv6; for cards
+an issuer prefix, a card's grouping and the Luhn checksum) so that version strings,
+dates, DOIs and order numbers survive. Matches become placeholders and are counted
+per type. Cards are matched first so their digit groups are never mistaken for
+phone numbers; a phone keeps its country code (``1-800-...`` is one number).
 """
 
 from __future__ import annotations
@@ -19,14 +20,20 @@ PLACEHOLDERS = {"email": "<EMAIL>", "card": "<CARD_NUMBER>", "ipv6": "<IP_ADDRES
                 "ipv4": "<IP_ADDRESS>", "phone": "<PHONE>"}
 
 EMAIL = re.compile(r"\b[A-Za-z0-9._%+-]+@[A-Za-z0-9-]+(?:\.[A-Za-z0-9-]+)*\.[A-Za-z]{2,}\b")
-CARD = re.compile(r"(?<![\d-])\d(?:[ -]?\d){12,18}(?![\d-])")
+# A card candidate is a run of 13-19 digits, optionally grouped by spaces or dashes, standing alone:
+# not glued to a word, a path or a decimal (a DOI such as 10.1080/10629360902949567 is not a card).
+CARD = re.compile(r"(?<![\w./-])\d(?:[ -]?\d){12,18}(?![\w/-]|[.,]\d)")
+# Issuer prefixes (IIN ranges) of the card networks: Visa, Mastercard, Amex, Diners, Discover, JCB, UnionPay.
+CARD_ISSUER = re.compile(r"4|5[1-5]|2(?:22[1-9]|2[3-9]\d|[3-6]\d\d|7[01]\d|720)|3[47]|3(?:0[0-5]|[68])"
+                         r"|6(?:011|4[4-9]|5|2)|35(?:2[89]|[3-8]\d)")
 IPV6 = re.compile(r"(?<![0-9A-Fa-f:.])(?:[0-9A-Fa-f]{0,4}:){2,7}[0-9A-Fa-f]{0,4}(?![0-9A-Fa-f:])")
-IPV4 = re.compile(r"(?<![\d.])(?:(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)\.){3}(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)(?![\d.])")
+# An address may end a sentence ("server at 192.0.2.146."), but not continue as a longer dotted number.
+IPV4 = re.compile(r"(?<![\d.])(?:(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)\.){3}(?:25[0-5]|2[0-4]\d|1\d\d|[1-9]?\d)(?!\.?\d)")
 PHONE = re.compile(
-    r"(?<![\w+])(?:"
+    r"(?<![\w+-])(?:"
     r"\+\d{1,3}[ .-]?(?:\(\d{1,4}\)[ .-]?)?\d{1,4}(?:[ .-]?\d{2,4}){2,3}"  # +44 20 7946 0958
-    r"|\(\d{3}\)[ .-]?\d{3}[ .-]\d{4}"  # (555) 123-4567
-    r"|\d{3}[.-]\d{3}[.-]\d{4}"  # 555-123-4567
+    r"|(?:1[ .-]?)?\(\d{3}\)[ .-]?\d{3}[ .-]\d{4}"  # (555) 123-4567, 1 (800) 555-0199
+    r"|(?:1[.-])?\d{3}[.-]\d{3}[.-]\d{4}"  # 555-123-4567, 1-800-873-2730: the country code is part of it
     r")(?!\w)")
 
 
@@ -41,9 +48,20 @@ def luhn_valid(digits: str) -> bool:
     return total % 10 == 0
 
 
-def _is_card(match: str) -> bool:
-    digits = re.sub(r"[ -]", "", match)
-    return 13 <= len(digits) <= 19 and luhn_valid(digits)
+def looks_like_card(candidate: str) -> bool:
+    """A payment card number: 13-19 digits from a card network's issuer range, printed as
+    one run or in the groups cards use (4-4-4-4..., or Amex/Diners 4-6-5 / 4-6-4, one kind
+    of separator), and passing Luhn. Any one test alone lets through order numbers, ISBNs
+    and DOIs: a random digit run passes Luhn one time in ten."""
+    separators = set(re.findall(r"[ -]", candidate))
+    groups = [len(group) for group in re.split(r"[ -]", candidate)]
+    if len(separators) > 1:
+        return False
+    if len(groups) > 1 and groups not in ([4, 6, 5], [4, 6, 4]) and not (
+            all(size == 4 for size in groups[:-1]) and 1 <= groups[-1] <= 4):
+        return False
+    digits = re.sub(r"[ -]", "", candidate)
+    return 13 <= len(digits) <= 19 and CARD_ISSUER.match(digits) is not None and luhn_valid(digits)
 
 
 def _is_ipv6(match: str) -> bool:
@@ -57,7 +75,7 @@ def _is_ipv6(match: str) -> bool:
 # (type, pattern, validator): applied in this order on the text left by the previous ones.
 DETECTORS = (
     ("email", EMAIL, None),
-    ("card", CARD, _is_card),
+    ("card", CARD, looks_like_card),
     ("ipv6", IPV6, _is_ipv6),
     ("ipv4", IPV4, None),
     ("phone", PHONE, None),

@@ -1,18 +1,23 @@
-"""The whole pipeline, parallel over input files, resumable and accounted for.
+"""The whole pipeline, parallel over input files, resumable, accounted for and committed atomically.
 
 Two phases, like datatrove's multi-step FineWeb recipe:
 
 1. **Per input file, in parallel** (``multiprocessing``): read -> language ->
    Gopher quality -> Gopher repetition -> toxicity -> PII, then the MinHash signature
-   and GPT-2 tokens of every survivor. Results go to ``work/<file>/`` and a
-   ``done.json`` marker is written last (atomically), so an interrupted run resumes
-   without redoing - or duplicating - finished files.
+   of every survivor. Results go to ``work/<file>/`` and a ``done.json`` marker is
+   written last (atomically), so an interrupted run resumes without redoing - or
+   duplicating - finished files.
 2. **Over the whole corpus, in input order**: record-id dedup -> URL dedup -> near
-   dedup (LSH over the stored signatures) -> saved purge rules -> token shards,
+   dedup (LSH over the stored signatures) -> line dedup (lines repeated across
+   documents; it needs the whole corpus) -> saved purge rules -> GPT-2 token shards,
    lineage, rejection bucket and the stats report. This phase is cheap and always
-   rerun from the stored results, so reruns are idempotent.
+   rerun from the stored results, so reruns are idempotent. It builds a new
+   generation of the output directory and commits it with one atomic rename
+   (:mod:`distlab.data.output`): a run killed here leaves the previous run intact.
 
 After every run ``documents in == kept + sum(rejected by reason)`` is checked.
+Everything that can be checked before work starts (inputs, output directory,
+configuration) is, with a one-line error.
 """
 
 from __future__ import annotations
@@ -20,39 +25,37 @@ from __future__ import annotations
 import hashlib
 import json
 import multiprocessing
-import os
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
 from typing import Iterator, Optional, Sequence
 
-import numpy as np
-
 from distlab.data.dedup import DEFAULT_BANDS, DEFAULT_NUM_PERM, DEFAULT_ROWS, DEFAULT_THRESHOLD, Deduper, NearDedup
-from distlab.data.document import Document, Ledger, Stage, StageStats, run_stages, text_hash
+from distlab.data.document import Document, Ledger, Stage, StageStats, run_stages
 from distlab.data.language import DEFAULT_LANGUAGES, DEFAULT_MAX_CHARS, DEFAULT_THRESHOLD as LANG_THRESHOLD
 from distlab.data.language import LanguageFilter
-from distlab.data.lineage import (LINEAGE_FILE, REJECTED_FILE, SHARD_DIR, PurgeFilter, PurgeRules, read_jsonl,
-                                  write_jsonl)
+from distlab.data.line_dedup import DEFAULT_MIN_DOCUMENTS, LineDedup
+from distlab.data.lineage import PurgeFilter, PurgeRules, read_jsonl, write_jsonl
+from distlab.data.output import LINEAGE_FILE, REJECTED_FILE, SHARD_DIR, WORK_DIR, RunDirectory
 from distlab.data.pii import PiiScrubber
 from distlab.data.quality import GOPHER, GopherQualityFilter, GopherQualityRules
 from distlab.data.read import DEFAULT_MAX_DOC_BYTES, WarcReader
 from distlab.data.repetition import GOPHER_REPETITION, GopherRepetitionFilter, GopherRepetitionRules
 from distlab.data.report import RunReport
-from distlab.data.shards import (DEFAULT_SHARD_TOKENS, SHARD_DTYPE, ShardWriter, atomic_write_bytes,
-                                 atomic_write_json, encode_documents)
-from distlab.data.toxicity import DEFAULT_BLOCKLIST, BlocklistScorer, ToxicityFilter
+from distlab.data.shards import DEFAULT_SHARD_TOKENS, ShardWriter, atomic_write_json, encode_documents
+from distlab.data.toxicity import DEFAULT_BLOCKLIST, DEFAULT_THRESHOLD as TOXICITY_THRESHOLD, SCORERS
+from distlab.data.toxicity import ToxicityFilter, make_scorer
 from distlab.data.urls import RecordIdDedup, UrlDedup
 
-WORK_DIR = "work"
-MANIFEST_FILE = "manifest.json"
+# Knobs that only phase 2 uses: changing them must not redo phase 1.
+_PHASE_TWO_FIELDS = ("dedup_threshold", "bands", "rows", "line_min_documents", "shard_tokens")
 
 
 @dataclass
 class PipelineConfig:
-    """Every knob of a run. Its fingerprint invalidates done-markers when it changes."""
+    """Every knob of a run. Its phase-1 fingerprint invalidates done-markers when it changes."""
 
     languages: tuple = DEFAULT_LANGUAGES
     language_threshold: float = LANG_THRESHOLD
@@ -60,28 +63,51 @@ class PipelineConfig:
     max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES
     quality: GopherQualityRules = GOPHER
     repetition: GopherRepetitionRules = GOPHER_REPETITION
+    toxicity: str = "classifier"  # or "blocklist" (C4-style, words in ``blocklist``)
     blocklist: tuple = DEFAULT_BLOCKLIST
+    toxicity_threshold: float = TOXICITY_THRESHOLD
     dedup_threshold: float = DEFAULT_THRESHOLD
     num_perm: int = DEFAULT_NUM_PERM
     bands: int = DEFAULT_BANDS
     rows: int = DEFAULT_ROWS
+    line_min_documents: int = DEFAULT_MIN_DOCUMENTS
     shard_tokens: int = DEFAULT_SHARD_TOKENS
 
+    def validate(self) -> "PipelineConfig":
+        """Raise a one-line ValueError for settings that cannot work, before any work starts."""
+        if self.bands < 1 or self.rows < 1 or self.bands * self.rows != self.num_perm:
+            raise ValueError(f"LSH bands x rows must equal the {self.num_perm} MinHash permutations, "
+                             f"got {self.bands} x {self.rows} = {self.bands * self.rows} (e.g. 16 x 8, 32 x 4)")
+        if self.toxicity not in SCORERS:
+            raise ValueError(f"unknown toxicity scorer {self.toxicity!r}: choose one of {', '.join(SCORERS)}")
+        for name in ("language_threshold", "dedup_threshold", "toxicity_threshold"):
+            if not 0.0 <= getattr(self, name) <= 1.0:
+                raise ValueError(f"{name} must lie in [0, 1], got {getattr(self, name)}")
+        if self.line_min_documents < 2:
+            raise ValueError(f"line_min_documents must be at least 2, got {self.line_min_documents}")
+        if self.shard_tokens < 1:
+            raise ValueError(f"shard_tokens must be positive, got {self.shard_tokens}")
+        if not self.languages:
+            raise ValueError("give at least one language to keep")
+        return self
+
     def fingerprint(self) -> str:
-        return hashlib.sha1(json.dumps(asdict(self), sort_keys=True, default=str).encode()).hexdigest()[:16]
+        """Hash of the settings phase 1 depends on."""
+        settings = {k: v for k, v in asdict(self).items() if k not in _PHASE_TWO_FIELDS}
+        return hashlib.sha1(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
 
     def document_stages(self) -> list[Stage]:
         """Stages that look at one document at a time (run in parallel, per file)."""
         return [LanguageFilter(self.languages, self.language_threshold, self.language_max_chars),
                 GopherQualityFilter(self.quality), GopherRepetitionFilter(self.repetition),
-                ToxicityFilter(BlocklistScorer(self.blocklist)), PiiScrubber()]
+                ToxicityFilter(make_scorer(self.toxicity, self.blocklist), self.toxicity_threshold), PiiScrubber()]
 
     def deduper(self) -> Deduper:
         return Deduper(self.dedup_threshold, self.num_perm, self.bands, self.rows)
 
 
 STAGE_ORDER = ("read", "language", "quality", "repetition", "toxicity", "pii",
-               "record_id", "url_dedup", "near_dedup", "purge", "tokenize")
+               "record_id", "url_dedup", "near_dedup", "line_dedup", "purge", "tokenize")
 
 
 def _file_key(path: Path) -> str:
@@ -100,31 +126,20 @@ def process_file(path: str, work_root: str, config: PipelineConfig) -> dict:
     ledger, reader, stages = Ledger(), WarcReader(config.max_doc_bytes), config.document_stages()
     survivors = list(run_stages(reader(str(path), ledger), stages, ledger))
 
-    signature_stats, token_stats = StageStats("near_dedup"), StageStats("tokenize")
+    signature_stats = StageStats("near_dedup")
     start = time.perf_counter()
     deduper = config.deduper()
-    rows = []
-    for doc in survivors:
-        doc.meta["hash_after"] = text_hash(doc.text)
-        rows.append({"id": doc.id, "url": doc.url, "date": doc.date, "source": doc.source,
-                     "meta": {**doc.meta, "minhash": deduper.signature(doc.text).hashvalues.tolist()}})
+    rows = [{"id": doc.id, "url": doc.url, "date": doc.date, "source": doc.source, "text": doc.text,
+             "meta": {**doc.meta, "minhash": deduper.signature(doc.text).hashvalues.tolist()}} for doc in survivors]
     signature_stats.seconds = time.perf_counter() - start
-
-    start = time.perf_counter()
-    spans = encode_documents([doc.text for doc in survivors])
-    offset = 0
-    for row, span in zip(rows, spans):
-        row["token_offset"], row["token_length"] = offset, len(span)
-        offset += len(span)
-    atomic_write_bytes(work / "tokens.bin", np.concatenate(spans).tobytes() if spans else b"")
-    token_stats.seconds = time.perf_counter() - start
 
     ledger.check_balance(len(survivors))
     write_jsonl(work / "kept.jsonl", rows)
     write_jsonl(work / REJECTED_FILE, ledger.rows)
     summary = {"input": _input_identity(path), "config": config.fingerprint(),
                "documents_in": ledger.documents_in, "kept": len(survivors), "rejected": dict(ledger.rejected),
-               "stages": [s.stats.to_json() for s in [reader, *stages]] + [signature_stats.to_json(), token_stats.to_json()]}
+               "warnings": reader.warnings,
+               "stages": [s.stats.to_json() for s in [reader, *stages]] + [signature_stats.to_json()]}
     atomic_write_json(work / "done.json", summary)  # the marker: written last
     return summary
 
@@ -139,38 +154,48 @@ def _finished_summary(path: Path, work_root: Path, config: PipelineConfig) -> Op
     return summary
 
 
-def _unique_inputs(inputs: Sequence) -> list[Path]:
+def check_inputs(inputs: Sequence) -> list[Path]:
+    """The input files, each once, in order; a one-line error for anything that is not a file."""
     seen, unique = set(), []
     for item in inputs:
         path = Path(item)
+        if not path.exists():
+            raise FileNotFoundError(f"input not found: {path}")
+        if not path.is_file():
+            raise IsADirectoryError(f"input is not a file: {path} (give the WET/WARC files inside it)")
         if path.resolve() not in seen:
             seen.add(path.resolve())
             unique.append(path)
+    if not unique:
+        raise ValueError("no input files given")
     return unique
 
 
 def run_pipeline(inputs: Sequence, out_dir, config: Optional[PipelineConfig] = None, workers: int = 1,
                  progress: bool = False) -> RunReport:
     """Run both phases over WET/WARC ``inputs`` into ``out_dir``; returns the checked report."""
-    config = config or PipelineConfig()
-    out_dir, started = Path(out_dir), time.perf_counter()
-    work_root = out_dir / WORK_DIR
+    config = (config or PipelineConfig()).validate()
+    if workers < 1:
+        raise ValueError(f"workers must be at least 1, got {workers}")
+    paths = check_inputs(inputs)
+    run = RunDirectory(out_dir)
+    run.check_writable()
+    started = time.perf_counter()
+    work_root = run.root / WORK_DIR
     work_root.mkdir(parents=True, exist_ok=True)
-    paths = _unique_inputs(inputs)
-    missing = [str(p) for p in paths if not p.is_file()]
-    if missing:
-        raise FileNotFoundError(f"input files not found: {missing}")
+    run.clean()
 
     summaries = {path: _finished_summary(path, work_root, config) for path in paths}
     pending = [path for path, summary in summaries.items() if summary is None]
     for path, summary in zip(pending, _run_phase_one(pending, work_root, config, workers, progress)):
         summaries[path] = summary
 
-    report = _run_phase_two(paths, work_root, out_dir, config, summaries)
+    report, staging, manifest = _run_phase_two(paths, work_root, run, config, summaries)
     report.files_processed, report.files_resumed = len(pending), len(paths) - len(pending)
     report.wall_seconds = time.perf_counter() - started
     report.check_balance()
-    report.save(out_dir)
+    report.save(staging)
+    run.commit(staging, manifest)  # the run becomes visible here, all of it at once
     return report
 
 
@@ -195,63 +220,68 @@ def _run_phase_one(pending: list[Path], work_root: Path, config: PipelineConfig,
 
 
 def _stored_documents(paths: list[Path], work_root: Path) -> Iterator[Document]:
-    """Phase-1 survivors, text-free: their signature and token span ride in ``meta``."""
+    """Phase-1 survivors with their text; the MinHash signature rides in ``meta``."""
     for path in paths:
-        work = work_root / _file_key(path)
-        tokens = np.fromfile(work / "tokens.bin", dtype=SHARD_DTYPE)
-        for row in read_jsonl(work / "kept.jsonl"):
-            start = row["token_offset"]
-            meta = {**row["meta"], "tokens": tokens[start:start + row["token_length"]]}
-            yield Document(row["id"], "", row["url"], row["date"], row["source"], meta)
+        for row in read_jsonl(work_root / _file_key(path) / "kept.jsonl"):
+            yield Document(row["id"], row["text"], row["url"], row["date"], row["source"], row["meta"])
 
 
-def _run_phase_two(paths: list[Path], work_root: Path, out_dir: Path, config: PipelineConfig,
-                   summaries: dict) -> RunReport:
+def _run_phase_two(paths: list[Path], work_root: Path, run: RunDirectory, config: PipelineConfig,
+                   summaries: dict) -> tuple[RunReport, Path, dict]:
+    """The corpus-level stages into a new, uncommitted generation: (report, its directory, its manifest)."""
     ledger = Ledger()
-    corpus_stages = [RecordIdDedup(), UrlDedup(), NearDedup(config.deduper()), PurgeFilter(PurgeRules.load(out_dir))]
-    shard_dir = out_dir / SHARD_DIR
-    writer = ShardWriter(shard_dir, config.shard_tokens)
-    tokenize = StageStats("tokenize")
+    manifest = run.manifest() or {}
+    rules = PurgeRules.from_json(manifest.get("purges"))
+    document_dedup = [RecordIdDedup(), UrlDedup(), NearDedup(config.deduper())]
+    distinct = list(run_stages(_stored_documents(paths, work_root), document_dedup, ledger))
+    line_dedup = LineDedup(config.line_min_documents, config.quality.min_words)
+    start = time.perf_counter()
+    line_dedup.fit(distinct)
+    line_dedup.stats.seconds += time.perf_counter() - start
+    purge_filter = PurgeFilter(rules)
+    kept = list(run_stages(distinct, [line_dedup, purge_filter], ledger))
+
+    staging = run.begin()
+    tokenize = StageStats("tokenize", docs_in=len(kept), docs_out=len(kept))
+    start = time.perf_counter()
+    writer = ShardWriter(staging / SHARD_DIR, config.shard_tokens)
     lineage = []
-    for doc in run_stages(_stored_documents(paths, work_root), corpus_stages, ledger):
-        start = time.perf_counter()
-        span = doc.meta.pop("tokens")
+    for doc, span in zip(kept, encode_documents([doc.text for doc in kept])):
         shard, offset = writer.add(doc.id, span)
         lineage.append({"id": doc.id, "url": doc.url, "date": doc.date, "source": doc.source,
                         "hash_before": doc.meta["hash_before"], "hash_after": doc.meta["hash_after"],
                         "language": doc.meta.get("language"), "pii": doc.meta.get("pii", {}),
+                        "lines_removed": doc.meta.get("lines_removed", 0),
                         "shard": shard, "offset": offset, "length": len(span)})
-        tokenize.docs_in += 1
-        tokenize.docs_out += 1
-        tokenize.seconds += time.perf_counter() - start
     written = writer.close()
-    for stale in set(shard_dir.glob("*.bin")) - set(written):  # left by an earlier, larger run
-        stale.unlink()
-        stale.with_suffix(".index.json").unlink(missing_ok=True)
+    tokenize.seconds = time.perf_counter() - start
 
     rejected_rows = [row for path in paths for row in read_jsonl(work_root / _file_key(path) / REJECTED_FILE)]
-    write_jsonl(out_dir / LINEAGE_FILE, lineage)
-    write_jsonl(out_dir / REJECTED_FILE, rejected_rows + ledger.rows)
+    write_jsonl(staging / LINEAGE_FILE, lineage)
+    write_jsonl(staging / REJECTED_FILE, rejected_rows + ledger.rows)
 
     stages: dict[str, StageStats] = {name: StageStats(name) for name in STAGE_ORDER}
     for summary in summaries.values():
         for row in summary["stages"]:
             stages[row["name"]].merge(StageStats.from_json(row))
-    for stage in corpus_stages:
+    for stage in [*document_dedup, line_dedup, purge_filter]:
         stages[stage.name].merge(stage.stats)
     stages["tokenize"].merge(tokenize)
 
     rejected = sum((Counter(s["rejected"]) for s in summaries.values()), Counter()) + ledger.rejected
-    report = RunReport(documents_in=sum(s["documents_in"] for s in summaries.values()), kept=len(lineage),
-                       rejected=rejected, stages=[stages[name] for name in STAGE_ORDER],
+    warnings = [warning for path in paths for warning in summaries[path].get("warnings", [])]
+    documents_in = sum(s["documents_in"] for s in summaries.values())
+    if documents_in == 0:
+        warnings.append(f"no documents were read from {len(paths)} input file(s): are they WET/WARC files?")
+    report = RunReport(documents_in=documents_in, kept=len(lineage), rejected=rejected,
+                       stages=[stages[name] for name in STAGE_ORDER],
                        tokens=int(sum(row["length"] for row in lineage)),
-                       shards=[path.name for path in written], inputs=[str(p) for p in paths])
-    atomic_write_json(out_dir / MANIFEST_FILE, {"config": asdict(config), "fingerprint": config.fingerprint(),
-                                                "inputs": [summaries[p]["input"] for p in paths],
-                                                "shards": report.shards})
-    return report
+                       shards=[path.name for path in written], inputs=[str(p) for p in paths], warnings=warnings)
+    manifest = {"config": asdict(config), "fingerprint": config.fingerprint(),
+                "inputs": [summaries[p]["input"] for p in paths], "shards": report.shards, "purges": rules.to_json()}
+    return report, staging, manifest
 
 
 def shard_paths(out_dir) -> list[Path]:
-    """The token shards of a finished run, in order (what a training loader reads)."""
-    return sorted((Path(out_dir) / SHARD_DIR).glob("*.bin"))
+    """The token shards of the committed run in ``out_dir``, in order (what a training loader reads)."""
+    return RunDirectory(out_dir).shard_paths()

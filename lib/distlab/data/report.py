@@ -10,10 +10,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from distlab.data.document import AccountingError, StageStats
+from distlab.data.output import STATS_CSV, STATS_FILE, RunDirectory
 from distlab.data.shards import atomic_write_bytes, atomic_write_json
-
-STATS_FILE = "stats.json"
-STATS_CSV = "stats.csv"
 
 
 @dataclass
@@ -28,6 +26,7 @@ class RunReport:
     tokens: int = 0
     shards: list = field(default_factory=list)
     inputs: list = field(default_factory=list)
+    warnings: list = field(default_factory=list)  # empty or unreadable inputs: said, not silently counted
 
     def check_balance(self) -> None:
         """The guarantee of every run: documents in = kept + rejected by reason."""
@@ -60,21 +59,23 @@ class RunReport:
                 "stages": [s.to_json() for s in self.stages], "wall_seconds": self.wall_seconds,
                 "docs_per_second": self.docs_per_second, "files_processed": self.files_processed,
                 "files_resumed": self.files_resumed, "tokens": self.tokens, "shards": self.shards,
-                "inputs": self.inputs}
+                "inputs": self.inputs, "warnings": self.warnings}
 
     @classmethod
     def from_json(cls, row: dict) -> "RunReport":
         return cls(row["documents_in"], row["kept"], Counter(row["rejected"]),
                    [StageStats.from_json(s) for s in row["stages"]], row["wall_seconds"],
-                   row["files_processed"], row["files_resumed"], row["tokens"], row["shards"], row["inputs"])
+                   row["files_processed"], row["files_resumed"], row["tokens"], row["shards"], row["inputs"],
+                   row.get("warnings", []))
 
     @classmethod
     def load(cls, out_dir) -> "RunReport":
-        return cls.from_json(json.loads((Path(out_dir) / STATS_FILE).read_text()))
+        """The report of the committed run in ``out_dir`` (read through its manifest)."""
+        return cls.from_json(json.loads((RunDirectory(out_dir).current("read the stats of") / STATS_FILE).read_text()))
 
-    def save(self, out_dir) -> None:
-        """stats.json (everything) and stats.csv (one row per stage, then one per reason)."""
-        atomic_write_json(Path(out_dir) / STATS_FILE, self.to_json())
+    def save(self, directory) -> None:
+        """stats.json (everything) and stats.csv (one row per stage, then one per reason) into ``directory``."""
+        atomic_write_json(Path(directory) / STATS_FILE, self.to_json())
         buffer = io.StringIO()
         writer = csv.writer(buffer)
         writer.writerow(["kind", "name", "docs_in", "docs_out", "rejected", "seconds", "docs_per_second"])
@@ -83,7 +84,7 @@ class RunReport:
                              f"{stage.seconds:.4f}", f"{stage.docs_per_second:.1f}"])
         for reason, count in sorted(self.rejected.items()):
             writer.writerow(["reason", reason, "", "", count, "", ""])
-        atomic_write_bytes(Path(out_dir) / STATS_CSV, buffer.getvalue().encode("utf-8"))
+        atomic_write_bytes(Path(directory) / STATS_CSV, buffer.getvalue().encode("utf-8"))
 
     def table(self, timings: bool = True) -> str:
         """Human-readable summary: accounting line, per-stage table, reasons."""
@@ -100,5 +101,6 @@ class RunReport:
             lines.append(f"wall {self.wall_seconds:.2f} s, {self.docs_per_second:.0f} documents/s end to end")
         lines.append("rejections by reason:")
         lines += [f"  {reason:<34}{count:>6}" for reason, count in sorted(self.rejected.items(), key=lambda kv: (-kv[1], kv[0]))]
+        lines += [f"warning: {warning}" for warning in self.warnings]
         return "\n".join(lines)
 

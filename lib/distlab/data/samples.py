@@ -3,8 +3,11 @@
 Real Common Crawl files are large and need the internet; the lab and the tests run
 offline on WET/WARC files written here with warcio. Every document is labelled with
 the kind of page it imitates - good prose, SEO spam, boilerplate, non-English,
-prose with PII, toxic pages, near-duplicates of known Jaccard, URL repeats, and
-broken records - so each filter's decisions can be compared with the truth.
+prose with PII, toxic pages (an abusive comment, or NSFW spam), near-duplicates of
+known Jaccard, URL repeats, and broken records - so each filter's decisions can be
+compared with the truth. Like Common Crawl's own WET text, the pages of a site carry
+its navigation bar and footer, and most carry the same cookie banner: the lines that
+line-level dedup exists to remove.
 
 Nothing here is real web text: sentences are drawn from small word lists.
 """
@@ -74,6 +77,19 @@ CHINESE = ("我们的城市有很多美丽的公园和古老的建筑。", "每�
 
 SPAM_PRODUCTS = ["cheap watches", "best loans", "discount shoes", "free casino bonus", "weight loss pills"]
 BLOCKED_WORDS = ["porn", "xxx", "camgirls", "nsfw"]
+ABUSIVE_COMMENTS = ("Comment: shut up you stupid idiot, nobody cares about your garbage.",
+                    "Reply: what a load of crap, the author is a moron.",
+                    "Guest wrote: go to hell you pathetic loser.")
+COOKIE_BANNER = "We use cookies to give you the best experience on our website. Accept all cookies."
+N_SITES = 12
+
+
+def site_header(site: int) -> str:
+    return f"Home | News | Shop | About site{site} | Contact"
+
+
+def site_footer(site: int) -> str:
+    return f"© 2024 site{site}.example.com · Privacy · Terms of use"
 
 
 def random_uuid(rng: random.Random) -> str:
@@ -159,9 +175,21 @@ def with_pii(rng: random.Random) -> str:
 
 
 def toxic(rng: random.Random) -> str:
+    """Prose with an abusive comment (a classifier's catch) or an NSFW spam line (a blocklist's)."""
     body = prose(rng, 150).split("\n\n")
-    body.insert(1, f"Click here for free {rng.choice(BLOCKED_WORDS)} videos.")
+    if rng.random() < 0.5:
+        body.insert(1, rng.choice(ABUSIVE_COMMENTS))
+    else:
+        body.insert(1, f"Click here for free {rng.choice(BLOCKED_WORDS)} videos.")
     return "\n\n".join(body)
+
+
+def with_site_boilerplate(rng: random.Random, text: str, site: int) -> str:
+    """The page as a WET extraction shows it: site navigation on top, footer below, usually a cookie banner."""
+    lines = [site_header(site), text, site_footer(site)]
+    if rng.random() < 0.8:
+        lines.insert(0, COOKIE_BANNER)
+    return "\n".join(lines)
 
 
 def edit_words(rng: random.Random, text: str, fraction: float) -> str:
@@ -245,8 +273,12 @@ def generate_sample(directory, seed: int = 0, docs_per_file: int = 60, n_files: 
         records = []
         for number in range(docs_per_file):
             kind = rng.choice(mix)
-            url = f"https://site{rng.randrange(40)}.example.com/{kind}/{file_number}-{number}"
-            record = SampleRecord(kind, makers[kind](), url, random_uuid(rng))
+            site = rng.randrange(N_SITES)
+            url = f"https://site{site}.example.com/{kind}/{file_number}-{number}"
+            text = makers[kind]()
+            if kind in ("good", "pii", "toxic"):
+                text = with_site_boilerplate(rng, text, site)
+            record = SampleRecord(kind, text, url, random_uuid(rng))
             records.append(record)
             if kind == "good":
                 originals.append(record)

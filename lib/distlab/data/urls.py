@@ -37,15 +37,16 @@ class UrlDedup(Stage):
 
     def __init__(self) -> None:
         super().__init__()
-        self.seen: set[str] = set()
+        self.first: dict[str, str] = {}  # normalised URL -> id of the document kept for it
 
     def process(self, doc: Document) -> Outcome:
         key = normalize_url(doc.url)
         if not key:
             return doc  # no URL to compare: near-dedup still sees the text
-        if key in self.seen:
+        if key in self.first:
+            doc.meta["duplicate_of"] = self.first[key]
             return "url_duplicate"
-        self.seen.add(key)
+        self.first[key] = doc.id
         return doc
 
 
@@ -60,6 +61,7 @@ class RecordIdDedup(Stage):
 
     def process(self, doc: Document) -> Outcome:
         if doc.id in self.seen:
+            doc.meta["duplicate_of"] = doc.id  # the first record with this id was kept
             return "duplicate_record_id"
         self.seen.add(doc.id)
         return doc

@@ -8,20 +8,23 @@ group per world size (2, 3 and 4), and compare each rank's answer with
 
 from __future__ import annotations
 
+import ast
+import inspect
 import random
+import textwrap
 from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
 from distlab.collectives import first_mismatch
-from distlab.grading import CheckFailed
+from distlab.grading import CheckFailed, quiz
 from distlab.grading.registry import Exercise
 from distlab.launcher import CollectiveTimeout, LaunchTimeout, Ranks
 
 WORLD_SIZES = (2, 3, 4)
-COLLECTIVE_TIMEOUT = 4.0  # seconds: a student's deadlocked ring fails fast instead of hanging
-JOB_TIMEOUT = 30.0  # seconds for one job: an endless loop outside any collective
+COLLECTIVE_TIMEOUT = 8.0  # seconds: a deadlocked ring fails within seconds, a rank slowed by a busy machine does not
+JOB_TIMEOUT = 60.0  # seconds for one job: an endless loop outside any collective, on a machine that may be busy
 
 
 # ---------------------------------------------------------------- shared helpers
@@ -33,16 +36,49 @@ def rank_group(world_size: int, what: str):
     try:
         yield ranks
     except CollectiveTimeout as hang:
-        raise CheckFailed(
-            f"{what} deadlocked on {world_size} ranks: {_first_line(hang)} Every send needs a matching "
-            "recv on the neighbour, in the same order; if every rank makes a blocking dist.send first, nobody "
-            "is receiving (use dist.isend and dist.irecv, then wait on both)."
-        ) from None
+        # The launcher says what it saw (everyone receiving, everyone sending, sends to the wrong neighbour,
+        # a missing call) and what to check for that case; the hint is its, not a fixed guess.
+        raise CheckFailed(f"{what} deadlocked on {world_size} ranks: {_first_line(hang)} Hint: {hang.hint}") from None
     except LaunchTimeout:
         raise CheckFailed(f"{what} did not finish within {JOB_TIMEOUT:g} s on {world_size} ranks "
                           "(an endless loop?)") from None
     finally:
         ranks.close()
+
+
+def raise_if_untouched(*student_code) -> None:
+    """Raise the stub's ``NotImplementedError`` now when a function (or a method of a class) the student
+    hands in is still exactly its stub, so an unfinished exercise is "not attempted" without starting ranks.
+
+    Only a body that is nothing but ``raise NotImplementedError("Exercise …")`` counts; anything the
+    student wrote runs on the ranks as usual.
+    """
+    for code in student_code:
+        functions = [code] if callable(code) and not inspect.isclass(code) else [
+            member for _, member in inspect.getmembers(code, inspect.isfunction)]
+        for fn in functions:
+            message = _stub_message(fn)
+            if message is not None:
+                raise NotImplementedError(message)
+
+
+def _stub_message(fn) -> str | None:
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    node = tree.body[0] if tree.body else None
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return None
+    body = [statement for statement in node.body
+            if not (isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant))]  # docstrings
+    if len(body) != 1 or not isinstance(body[0], ast.Raise) or not isinstance(body[0].exc, ast.Call):
+        return None
+    call = body[0].exc
+    if getattr(call.func, "id", None) != "NotImplementedError" or not call.args:
+        return None
+    text = getattr(call.args[0], "value", None)
+    return text if isinstance(text, str) and text.startswith("Exercise ") else None
 
 
 def run_job(ranks: Ranks, fn, *args):
@@ -100,6 +136,7 @@ def _rank_sum_job(student_fn):
 
 def check_rank_sum(student_fn) -> str:
     """``student_fn()`` on each rank returns (rank, world_size, sum of all rank ids) using one all_reduce."""
+    raise_if_untouched(student_fn)
     for n in WORLD_SIZES:
         with rank_group(n, "your function") as ranks:
             run = run_job(ranks, _rank_sum_job, student_fn)
@@ -148,6 +185,7 @@ def _mean_job(student_fn, shape, dtype, seed):
 
 def check_mean_across_ranks(student_fn) -> str:
     """``student_fn(tensor)`` returns the element-wise mean of every rank's tensor."""
+    raise_if_untouched(student_fn)
     rng = random.Random()
     cases = 0
     for n in WORLD_SIZES:
@@ -170,7 +208,21 @@ def check_mean_across_ranks(student_fn) -> str:
     return f"matches all_reduce / world_size on {cases} random tensors, 2-4 ranks"
 
 
+QUIZ = [
+    quiz.number("Q0.1", "LOCAL_RANK of global rank 11 on nodes of 8 GPUs", answer=3, rel_tol=0,
+                hint="section 3: ranks fill one node after the other; the local rank is the index on its node"),
+    quiz.number("Q0.2", "all_reduce(rank + 1) on 8 ranks", answer=36, rel_tol=0,
+                hint="section 2: every rank ends with the sum of every rank's value"),
+    quiz.choice("Q0.3", "the backend for tensors on GPUs", answer="b", options="abc",
+                hint="section 1: which backend moves CUDA tensors over NVLink and InfiniBand?"),
+    quiz.number("Q0.4", "bytes each rank sends to all-reduce 1000 float32 on 4 ranks", answer=6000, rel_tol=0,
+                hint="section 2: the comm table, 2(N-1)/N * M with M the message's bytes"),
+    quiz.choice("Q0.5", "what the other ranks do when one skips a collective", answer="b", options="abc",
+                hint="the chapter, 'The model': a collective completes only when every rank of the group calls it"),
+]
+
 EXERCISES = [
     Exercise("0.1", "ranks, world size and a first all-reduce", 1, check_rank_sum),
     Exercise("0.2", "the mean across ranks", 1, check_mean_across_ranks),
+    *QUIZ,
 ]

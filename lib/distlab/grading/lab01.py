@@ -12,7 +12,7 @@ import math
 import numbers
 import random
 
-from distlab.grading import CheckFailed
+from distlab.grading import CheckFailed, quiz
 from distlab.grading.registry import Exercise
 from distlab.memory import GiB, PRESETS, Preset, activation_bytes_per_layer, bytes_per_param
 
@@ -98,9 +98,25 @@ def check_training_memory_gib(student_fn) -> str:
     return f"{cases} cases over the 7B/70B/405B presets and a random model"
 
 
+QUIZ = [
+    quiz.number("Q1.1", "bytes per parameter of Adam mixed precision under DDP", answer=16, rel_tol=0,
+                hint="section 1: bf16 weights and gradients, fp32 master weights and two moments"),
+    quiz.number("Q1.2", "ZeRO-3 bytes per parameter per rank on 64 ranks", answer=0.25, rel_tol=0.001,
+                hint="exercise 1.1: stage 3 shards all 16 bytes over the N ranks"),
+    quiz.number("Q1.3", "ZeRO-1 bytes per parameter per rank as N grows without bound", answer=4, rel_tol=0.001,
+                hint="exercise 1.1: what is not sharded in stage 1?"),
+    quiz.number("Q1.4", "GiB of model states per rank for the 70B preset, 64 ranks, ZeRO-3", answer=16.06,
+                rel_tol=0.005, hint="section 3: n_params x 16/N bytes, in GiB (2^30 bytes)"),
+    quiz.number("Q1.5", "bytes per s*b*h a checkpointed layer keeps at 16-bit", answer=2, rel_tol=0,
+                hint="section 2: with full checkpointing a layer keeps only its input"),
+    quiz.choice("Q1.6", "what FSDP shards and DDP does not", answer="c", options="abc",
+                hint="section 3, DDP against FSDP: which tensors does each rank keep whole under DDP?"),
+]
+
 EXERCISES = [
     Exercise("1.1", "bytes per parameter under DDP and ZeRO-1/2/3", 2, check_bytes_per_param),
     Exercise("1.2", "activation bytes of one transformer layer", 2, check_activation_bytes_per_layer),
     Exercise("1.3", "activation bytes with and without checkpointing", 2, check_activation_bytes),
     Exercise("1.4", "per-rank training memory in GiB", 3, check_training_memory_gib),
+    *QUIZ,
 ]

@@ -1,12 +1,13 @@
-"""Lab 02 checkers: a ring all-reduce and a ring all-gather from point-to-point ops, and
-all-reduce as reduce-scatter + all-gather.
+"""Lab 02 checkers: a ring all-reduce and a ring all-gather from point-to-point ops,
+all-reduce as reduce-scatter + all-gather, and a latency-optimal (tree) all-reduce; the quiz.
 
 Each checker runs the student's function on real gloo ranks (world sizes 2, 3
 and 4, hidden random tensors whose sizes are often not divisible by the world
 size, float32 and float64), compares every rank's result with
 ``torch.distributed``'s built-in collective, and checks what the function sent:
 a ring must be built from ``send``/``isend`` and send 2(N-1)/N * M bytes per
-rank (all-reduce) or (N-1)/N * M (all-gather).
+rank (all-reduce) or (N-1)/N * M (all-gather); a tree all-reduce must send at
+most ceil(log2 N) messages per rank (the ring sends 2(N-1)).
 """
 
 from __future__ import annotations
@@ -18,8 +19,8 @@ import torch
 import torch.distributed as dist
 
 from distlab.collectives import ring_all_gather_bytes, ring_all_reduce_bytes
-from distlab.grading import CheckFailed
-from distlab.grading.lab00 import WORLD_SIZES, compare_tensor, random_tensor, rank_group, run_job
+from distlab.grading import CheckFailed, quiz
+from distlab.grading.lab00 import WORLD_SIZES, compare_tensor, raise_if_untouched, random_tensor, rank_group, run_job
 from distlab.grading.registry import Exercise
 
 P2P_SENDS = ("send", "isend")
@@ -73,12 +74,16 @@ def _collectives_called(ops: dict[str, int]) -> list[str]:
     return [f"dist.{op}" for op in COLLECTIVES if ops.get(op)]
 
 
-def _check_sent(r: int, n: int, sent: float, expected: float, tolerance: float, what: str, ops) -> None:
+def _require_p2p(n: int, sent: float, ops, what: str, algorithm: str = "ring") -> None:
     if sent == 0 and n > 1:
         used = _collectives_called(ops)
         because = f" (it called {', '.join(used)})" if used else ""
-        raise CheckFailed(f"your ring sent 0 bytes with send/isend{because}; it must be built from "
+        raise CheckFailed(f"your {algorithm} sent 0 bytes with send/isend{because}; it must be built from "
                           f"point-to-point ops ({what})")
+
+
+def _check_sent(r: int, n: int, sent: float, expected: float, tolerance: float, what: str, ops) -> None:
+    _require_p2p(n, sent, ops, what)
     if abs(sent - expected) > tolerance:
         raise CheckFailed(f"rank {r} sent {sent:.0f} bytes with send/isend, but a ring sends "
                           f"{expected:.0f} per rank ({what}): each step should send one chunk, not the whole tensor")
@@ -105,10 +110,11 @@ def _describe_case(n: int, shape, dtype) -> tuple[int, int, str]:
     return numel, element, f"world size {n}, {numel} {str(dtype).replace('torch.', '')} elements"
 
 
-def _check_all_reduce(student_fn, p2p: bool) -> int:
+def _check_all_reduce(student_fn, p2p: bool, tree: bool = False) -> int:
+    raise_if_untouched(student_fn)
     rng = random.Random()
     cases = 0
-    what_fn = "your ring" if p2p else "your all-reduce"
+    what_fn = "your tree" if tree else "your ring" if p2p else "your all-reduce"
     for n in WORLD_SIZES:
         with rank_group(n, what_fn) as ranks:
             for shape, dtype in _cases(rng, n):
@@ -121,13 +127,15 @@ def _check_all_reduce(student_fn, p2p: bool) -> int:
                     compare_tensor(r, expected, got, what)
                 total = 0.0
                 for r, (got, expected, ops, sent) in enumerate(run):
-                    if p2p:
+                    if tree:
+                        _check_rounds(r, n, sent, ops, what)
+                    elif p2p:
                         chunk = max(math.ceil(numel / n), 2) * element
                         _check_sent(r, n, sent, ring_all_reduce_bytes(numel * element, n), chunk, what, ops)
                         total += sent
                     else:
                         _check_reduce_scatter_all_gather(r, ops, what)
-                if p2p and total != 2 * (n - 1) * numel * element:
+                if p2p and not tree and total != 2 * (n - 1) * numel * element:
                     raise CheckFailed(f"the {n} ranks together sent {total:.0f} bytes with send/isend; a ring "
                                       f"all-reduce sends each chunk N-1 times per phase, "
                                       f"{2 * (n - 1) * numel * element} bytes in all ({what})")
@@ -155,6 +163,7 @@ def _all_gather_job(student_fn, shape, dtype, seed):
 
 def check_ring_all_gather(student_fn) -> str:
     """``student_fn(tensor)`` returns a list whose entry i is rank i's tensor, from send/recv."""
+    raise_if_untouched(student_fn)
     rng = random.Random()
     cases = 0
     for n in WORLD_SIZES:
@@ -196,8 +205,51 @@ def check_all_reduce_via_reduce_scatter(student_fn) -> str:
     return f"matches dist.all_reduce on {cases} random tensors, 2-4 ranks, with reduce-scatter + all-gather"
 
 
+# ---------------------------------------------------------------- 2.4 tree (recursive doubling) all-reduce
+
+def _check_rounds(r: int, n: int, sent: float, ops: dict[str, int], what: str) -> None:
+    _require_p2p(n, sent, ops, what, algorithm="tree")
+    messages = ops.get("send", 0) + ops.get("isend", 0)
+    rounds = math.ceil(math.log2(n))
+    if messages > rounds:
+        raise CheckFailed(
+            f"rank {r} sent {messages} messages on {n} ranks, but a latency-optimal all-reduce needs only "
+            f"ceil(log2 N) = {rounds} ({what}): in round k exchange the whole tensor with rank r xor 2^k and add; "
+            f"with N not a power of two, first fold each extra rank r >= p into rank r - p (p the largest power of "
+            f"two <= N) and send it the result at the end")
+
+
+def check_tree_all_reduce(student_fn) -> str:
+    """``student_fn(tensor)`` sums ``tensor`` over all ranks in place in ceil(log2 N) rounds, from send/recv."""
+    cases = _check_all_reduce(student_fn, p2p=True, tree=True)
+    return (f"matches dist.all_reduce on {cases} random tensors, 2-4 ranks; at most ceil(log2 N) messages "
+            "per rank")
+
+
+# ---------------------------------------------------------------- quiz
+
+QUIZ = [
+    quiz.number("Q2.1", "bytes per rank of a ring all-reduce (GB)", answer=1.75, rel_tol=0.01,
+                hint="section 2: each rank sends 2(N-1)/N * M"),
+    quiz.number("Q2.2", "all-reduce time of 7B bf16 gradients on 8 GPUs (ms)", answer=54.4, rel_tol=0.03,
+                hint="section 4: M = 2 bytes x 7e9, the ring sends 2(N-1)/N * M per rank at beta; alpha is "
+                     "negligible at this size"),
+    quiz.choice("Q2.3", "the algorithm for a 4 KiB all-reduce on 1024 ranks", answer="b", options="abc",
+                hint="section 4: which term of the alpha-beta model dominates a small message, and how many "
+                     "steps does each algorithm pay it?"),
+    quiz.number("Q2.4", "tree/ring crossover for N = 4, alpha = 10 us, beta = 100 GB/s (MB)", answer=8.0,
+                rel_tol=0.02, hint="section 4: M* = (S_ring - S_tree) alpha beta / (B_tree - B_ring), "
+                                   "8 alpha beta for N = 4"),
+    quiz.number("Q2.5", "sequential messages of recursive doubling on 1024 ranks", answer=10, rel_tol=0,
+                hint="exercise 2.4: each round doubles the block of ranks whose sum you hold"),
+    quiz.choice("Q2.6", "ring bytes per rank as N grows from 8 to 1024", answer="c", options="abc",
+                hint="section 2: 2(N-1)/N * M for N = 8 and N = 1024"),
+]
+
 EXERCISES = [
     Exercise("2.1", "ring all-reduce from send/recv", 3, check_ring_all_reduce),
     Exercise("2.2", "ring all-gather from send/recv", 2, check_ring_all_gather),
     Exercise("2.3", "all-reduce = reduce-scatter + all-gather", 1, check_all_reduce_via_reduce_scatter),
+    Exercise("2.4", "tree all-reduce in log2(N) rounds", 2, check_tree_all_reduce),
+    *QUIZ,
 ]

@@ -28,7 +28,8 @@ import torch.distributed as dist
 
 from distlab.data_parallel import (OverlappedDDP, assign_buckets, build_model, gradient_bytes, local_batches,
                                    reference_run, train_step)
-from distlab.grading import CheckFailed
+from distlab.grading import CheckFailed, quiz
+from distlab.grading.lab00 import raise_if_untouched
 from distlab.grading.registry import Exercise
 from distlab.model import GPTConfig
 from distlab.reference import make_optimizer
@@ -36,10 +37,10 @@ from distlab.reference import make_optimizer
 _SEED = 3_2024
 STEPS = 3
 ATOL = 1e-6
-COLLECTIVE_TIMEOUT = 3.0
-JOB_TIMEOUT = 30.0
+COLLECTIVE_TIMEOUT = 30.0  # seconds: long enough for a rank starved on a busy machine; a deadlock still fails
+JOB_TIMEOUT = 120.0  # seconds for one job: an endless loop, on a machine that may be busy
 
-__all__ = ["EXERCISES", "Case", "compare_with_reference", "describe_factor", "check_naive_ddp",
+__all__ = ["EXERCISES", "QUIZ", "Case", "compare_with_reference", "describe_factor", "check_naive_ddp",
            "check_bucketed_ddp", "check_overlapped_ddp", "check_gradient_accumulation"]
 
 
@@ -271,6 +272,7 @@ def check_communication(run, case: Case, expected_calls: int | None = None) -> N
 
 def check_naive_ddp(broadcast_parameters, allreduce_gradients) -> str:
     """3.1: ``broadcast_parameters(model)`` and ``allreduce_gradients(model)`` (mean over ranks)."""
+    raise_if_untouched(broadcast_parameters, allreduce_gradients)
     rng = random.Random(_SEED + 1)
     cases = [_case(rng, "gpt", tied=True), _case(rng, "edge")]
     for case in cases:
@@ -354,6 +356,7 @@ def _train_and_verify_buckets(worker, case: Case, *student_code):
 
 def check_bucketed_ddp(assign_buckets_fn, allreduce_buckets_fn) -> str:
     """3.2: ``assign_buckets(params, bucket_cap_bytes)`` and ``allreduce_buckets(buckets)``."""
+    raise_if_untouched(assign_buckets_fn, allreduce_buckets_fn)
     rng = random.Random(_SEED + 2)
     n_assign = _check_bucket_assignment(assign_buckets_fn, rng)
     cases = [_case(rng, "gpt"), _case(rng, "edge")]
@@ -382,6 +385,7 @@ def _check_overlap(run, case: Case) -> None:
 
 def check_overlapped_ddp(ddp_class) -> str:
     """3.3: a DDP class ``ddp_class(module, bucket_cap_bytes)`` whose hooks launch async bucket all-reduces."""
+    raise_if_untouched(ddp_class)
     rng = random.Random(_SEED + 3)
     cases = [_case(rng, "gpt", tied=True), _case(rng, "edge")]
     for case in cases:
@@ -420,6 +424,7 @@ def _check_no_sync_context(no_sync) -> None:
 
 def check_gradient_accumulation(no_sync, train_accumulated) -> str:
     """3.4: ``no_sync(ddp)`` context and ``train_accumulated(ddp, optimizer, micro_batches)``."""
+    raise_if_untouched(train_accumulated)
     _check_no_sync_context(no_sync)
     rng = random.Random(_SEED + 4)
     cases = [_case(rng, "gpt", rows=1), _case(rng, "edge", rows=1)]
@@ -432,9 +437,26 @@ def check_gradient_accumulation(no_sync, train_accumulated) -> str:
             f"one big-batch step, communication on the last micro-step only")
 
 
+QUIZ = [
+    quiz.number("Q3.1", "GB each GPU sends per step for a 7B model's bf16 gradients on 8 GPUs", answer=24.5,
+                rel_tol=0.01, hint="'What it costs: bytes on the wire': 2(N-1)/N x the gradient bytes"),
+    quiz.number("Q3.2", "SGD update factor when gradients are summed, not averaged, over 4 ranks", answer=4,
+                rel_tol=0, hint="'Why averaging gradients is exact': the sum is N times the mean"),
+    quiz.number("Q3.3", "all-reduces per step with 25 MB buckets for 30 MB of gradients", answer=2, rel_tol=0,
+                hint="exercise 3.2: a bucket closes once it holds the cap or more"),
+    quiz.choice("Q3.4", "all-reduce rounds per optimizer step with 4 micro-steps under no_sync", answer="b",
+                options="abc", hint="exercise 3.4: only the last micro-step's backward communicates"),
+    quiz.number("Q3.5", "MFU of a 7B model at 3,000 tokens/s per H100 (989 TFLOP/s)", answer=0.127,
+                rel_tol=0.03, hint="'FLOPs per token and MFU': 6N FLOPs per token x tokens/s / peak"),
+    quiz.choice("Q3.6", "not a suspect for an MFU of 18%", answer="d", options="abcd",
+                hint="'MFU at 18%: where the time goes': which of these changes how much time the GPUs spend "
+                     "on anything but model math?"),
+]
+
 EXERCISES = [
     Exercise("3.1", "naive DDP: broadcast and average gradients", 3, check_naive_ddp),
     Exercise("3.2", "gradient buckets: one flat all-reduce per bucket", 3, check_bucketed_ddp),
     Exercise("3.3", "overlap all-reduce with backward from gradient hooks", 4, check_overlapped_ddp),
     Exercise("3.4", "gradient accumulation with no_sync", 2, check_gradient_accumulation),
+    *QUIZ,
 ]

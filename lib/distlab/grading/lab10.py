@@ -1,7 +1,8 @@
-"""Lab 10 checkers: Gopher quality rules, PII patterns, MinHash/LSH dedup, token shards.
+"""Lab 10 checkers: Gopher quality rules, PII patterns, MinHash/LSH dedup, line dedup, token shards; the quiz.
 
 Each checker builds fresh random cases, runs the student's code and the reference
-implementation in :mod:`distlab.data` on them, and reports the first disagreement.
+implementation in :mod:`distlab.data` on them, and reports the first disagreement
+with what to look at.
 """
 
 from __future__ import annotations
@@ -13,7 +14,7 @@ from pathlib import Path
 
 import numpy as np
 
-from distlab.grading import CheckFailed
+from distlab.grading import CheckFailed, quiz
 from distlab.grading.registry import Exercise
 
 
@@ -69,18 +70,30 @@ def _pii_cases(rng: random.Random) -> list[tuple[str, str]]:
 
     card = samples.card_number(rng)
     bad_card = card[:-1] + str((int(card[-1]) + 1) % 10)
+    doi = _luhn_complete("1" + "".join(str(rng.randrange(10)) for _ in range(15)))  # passes Luhn, yet no card
+    host = f"{rng.randint(1, 223)}.{rng.randint(0, 255)}.{rng.randint(0, 255)}.{rng.randint(1, 254)}"
     return [("email", f"Write to {rng.choice(samples.NAMES).lower()}.{rng.randint(1, 99)}@mail.example.org today."),
             ("US phone", f"Call ({rng.randint(200, 999)}) {rng.randint(200, 999)}-{rng.randint(1000, 9999)} now."),
             ("dashed phone", f"Phone {rng.randint(200, 999)}-{rng.randint(200, 999)}-{rng.randint(1000, 9999)}."),
+            ("phone with its country code", f"Toll free: 1-800-{rng.randint(200, 999)}-{rng.randint(1000, 9999)}."),
             ("international phone", f"London office: +44 20 {rng.randint(1000, 9999)} {rng.randint(1000, 9999)}."),
             ("IPv4", f"The host 10.{rng.randint(0, 255)}.{rng.randint(0, 255)}.{rng.randint(1, 254)} answered."),
+            ("IPv4 ending a sentence", f"The server was at {host}."),
             ("IPv6", f"Reach 2001:db8::{rng.randint(1, 65535):x} or fe80::{rng.randint(1, 255):x}:1 there."),
             ("Luhn-valid card", f"Paid with {card}."), ("card without spaces", f"Card {card.replace(' ', '')} ok."),
             ("Luhn-invalid digits (not a card)", f"Order number {bad_card}."),
+            ("a DOI (not a card)", f"See doi:10.1080/{doi}."),
             ("version number (not an IP)", "Upgrade to version 2.1.3 of the tool."),
             ("clock time (not an IPv6)", "We met at 12:30:45 on Monday."),
             ("year range (not a phone)", "From 2019-2023 the river rose."),
             ("mixed", samples.with_pii(rng))]
+
+
+def _luhn_complete(digits: str) -> str:
+    """``digits`` with the check digit that makes it pass Luhn."""
+    from distlab.data.pii import luhn_valid
+
+    return next(digits + str(d) for d in range(10) if luhn_valid(digits + str(d)))
 
 
 def check_pii(scrub_pii) -> str:
@@ -98,7 +111,7 @@ def check_pii(scrub_pii) -> str:
             raise CheckFailed(f"case '{name}': for {text[:120]!r} expected {want_text[:120]!r}, got {got_text[:120]!r}")
         if Counter({k: v for k, v in dict(got_counts).items() if v}) != want_counts:
             raise CheckFailed(f"case '{name}': expected counts {dict(want_counts)}, got {dict(got_counts)}")
-    return f"{len(cases)} texts: emails, phones, IPv4/IPv6, Luhn cards and look-alikes"
+    return f"{len(cases)} texts: emails, phones, IPv4/IPv6, cards and look-alikes (DOIs, order numbers)"
 
 
 def check_deduper(deduper_class) -> str:
@@ -123,6 +136,72 @@ def check_deduper(deduper_class) -> str:
                           f"{scores['flagged']} flagged documents are not near-duplicates (verify candidates by "
                           "estimated Jaccard >= threshold)")
     return "recall and precision >= 0.85 on a fresh near-duplicate set with known Jaccard"
+
+
+def _line_dedup_corpus(rng: random.Random) -> tuple[list[str], int]:
+    """Pages of a few sites: shared banners (some in just enough documents, some one short), a line
+    repeated inside one page, whitespace around lines, blank lines, non-ASCII text."""
+    from distlab.data import samples
+
+    min_documents = rng.choice([2, 3, 4])
+    banners = [f"Banner {n}: {samples.prose_sentence(rng)}" for n in range(6)] + ["© 2024 Café Müller — mentions légales"]
+    reach = {banner: rng.choice([min_documents - 1, min_documents, min_documents + 2]) for banner in banners}
+    pages = [[samples.prose_sentence(rng) for _ in range(rng.randint(2, 5))] for _ in range(rng.randint(12, 20))]
+    for banner, count in reach.items():
+        for page in rng.sample(pages, min(count, len(pages))):
+            page.insert(rng.randrange(len(page) + 1), rng.choice([banner, f"  {banner}", f"{banner}\t"]))
+    for page in rng.sample(pages, 3):
+        page.insert(rng.randrange(len(page) + 1), "")
+    echo = rng.choice(pages)
+    echo += [echo[0]] * min_documents  # a line repeated inside one page counts once for that page
+    return ["\n".join(page) for page in pages], min_documents
+
+
+def check_line_dedup(remove_repeated_lines) -> str:
+    from distlab.data.line_dedup import document_frequencies, remove_repeated_lines as reference
+
+    rng = random.Random()
+    for case in range(3):
+        texts, min_documents = _line_dedup_corpus(rng)
+        want_texts, want_lines, want_bytes = reference(list(texts), min_documents)
+        got = remove_repeated_lines(list(texts), min_documents)
+        if not (isinstance(got, tuple) and len(got) == 3):
+            raise CheckFailed(f"expected a (texts, lines_removed, bytes_removed) tuple, got {type(got).__name__}")
+        got_texts, got_lines, got_bytes = got
+        if len(got_texts) != len(texts):
+            raise CheckFailed(f"{len(texts)} documents in, {len(got_texts)} out: return one text per document")
+        frequencies = document_frequencies(texts)
+        for number, (text, want, have) in enumerate(zip(texts, want_texts, got_texts)):
+            if want != have:
+                raise CheckFailed(f"min_documents={min_documents}, document {number}: "
+                                  + _line_dedup_hint(text, want, have, frequencies, texts, min_documents))
+        if got_lines != want_lines:
+            raise CheckFailed(f"min_documents={min_documents}: {got_lines} lines removed, expected {want_lines} "
+                              "(count every removed line, including a repeat inside one document)")
+        if got_bytes != want_bytes:
+            chars = sum(len(line) for text, new in zip(texts, want_texts) for line in text.split("\n")
+                        if line.strip() and line not in new.split("\n"))
+            hint = " - that is characters: count UTF-8 bytes" if got_bytes == chars else ""
+            raise CheckFailed(f"min_documents={min_documents}: {got_bytes} bytes removed, expected {want_bytes}{hint} "
+                              "(the removed lines as they were, whitespace included, without their newline)")
+    return "3 random corpora: banners at and just under the threshold, whitespace, blank lines, UTF-8 bytes"
+
+
+def _line_dedup_hint(text: str, want: str, have: str, frequencies, texts: list[str], min_documents: int) -> str:
+    """Why one document came out wrong: a line removed too eagerly, a line left in, or layout."""
+    want_lines, have_lines = set(want.split("\n")), set(have.split("\n"))
+    for line in text.split("\n"):
+        key = line.strip()
+        if line in want_lines and line not in have_lines and key:
+            occurrences = sum(other.strip() == key for t in texts for other in t.split("\n"))
+            why = (f"; it occurs {occurrences} times, but a line repeated inside one document counts once"
+                   if occurrences >= min_documents else "")
+            return f"{line!r} was removed, but it is in only {frequencies[key]} documents{why}"
+        if line not in want_lines and line in have_lines and key:
+            return (f"{line!r} is in {frequencies[key]} documents (compared without surrounding whitespace) "
+                    "and should be removed")
+    return (f"expected {want[:80]!r}, got {have[:80]!r}: join the kept lines with newlines, collapse the blank "
+            "lines left behind into one and strip the ends (a document that loses no line is returned unchanged)")
 
 
 def check_token_writer(tokenize_to_bin) -> str:
@@ -158,5 +237,20 @@ EXERCISES = [
     Exercise("10.1", "Gopher quality rules", 3, check_quality),
     Exercise("10.2", "PII patterns", 2, check_pii),
     Exercise("10.3", "MinHash + LSH near-dedup", 3, check_deduper),
-    Exercise("10.4", "Token-shard writer", 2, check_token_writer),
+    Exercise("10.4", "Line-level dedup across the corpus", 2, check_line_dedup),
+    Exercise("10.5", "Token-shard writer", 2, check_token_writer),
+    quiz.number("Q10.1", "P(candidate) for J = 0.8 with 16 bands x 8 rows", answer=1 - (1 - 0.8 ** 8) ** 16,
+                rel_tol=0.01, hint="section 5: P = 1 - (1 - J^r)^b, with r rows per band and b bands"),
+    quiz.number("Q10.2", "standard error of a 128-permutation MinHash estimate at J = 0.8",
+                answer=(0.8 * 0.2 / 128) ** 0.5, rel_tol=0.03,
+                hint="section 5: each permutation is a coin flip that lands 'equal' with probability J"),
+    quiz.choice("Q10.3", "which Gopher rule rejects 120 words with 14 hashtags", answer="b", options="abcd",
+                hint="section 3: compare # per word with 0.1 (a: word count, b: hash ratio, c: stop words, d: none)"),
+    quiz.choice("Q10.4", "which of these is a payment card number", answer="b", options="abcd",
+                hint="section 4: Luhn, an issuer prefix and a card's grouping must all hold"),
+    quiz.number("Q10.5", "terabytes of uint16 shards for 15T tokens", answer=30, rel_tol=0.02,
+                hint="section 7: bytes per token of a uint16 shard, times 15e12, in TB of 1e12 bytes"),
+    quiz.choice("Q10.6", "DSIR or DoReMi: which learns domain weights with a proxy model", answer="b",
+                options="ab", hint="section 10: one resamples documents by n-gram likelihood ratio, "
+                                   "the other trains a small model with group DRO over domains"),
 ]

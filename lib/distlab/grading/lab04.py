@@ -1,0 +1,500 @@
+"""Lab 04 — ZeRO-1/2/3 and FSDP from scratch. Checkers run the student's code on real gloo ranks.
+
+Every distributed case trains a small GPT (or the edge-case GPT with a frozen, an unused and a
+sometimes-used parameter) for a few SGD steps on 2-4 ranks, each rank starting from its own
+seed, and compares every rank's gathered weights after every step with a single-process run
+on the full batch, to 1e-6 (lab 03's :func:`~distlab.grading.lab03.compare_with_reference`,
+which names the parameter, the step, the rank and the factor its update is off by). On top,
+each stage is held to what makes it that stage, measured on the ranks:
+
+* 4.1 ZeRO-1 — the inner optimizer's state is 1/N per rank, and a step moves DDP's bytes
+  (reduce-scatter + all-gather), not 1.5× (all-reduce + all-gather / broadcast);
+* 4.2 ZeRO-2 — after backward no full gradient is left, each bucket keeps a 1/N shard; a
+  reduction of bf16 gradients runs in fp32 (read off the bytes the reduce-scatter carried);
+* 4.3 ZeRO-3 — at rest a rank holds only its shards, while computing at most one block
+  gathered (plus the root), and every parameter is all-gathered twice per step;
+* 4.4 mixed precision and 4.5 activation checkpointing — single-process, against the library.
+
+Cases come from fixed-seed generators (reproducible notebook output). An untouched stub's
+``NotImplementedError`` propagates and is reported as "not attempted".
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from distlab.data_parallel import broadcast_parameters, build_model, gradient_bytes, local_batches
+from distlab.grading import CheckFailed, quiz
+from distlab.grading.lab03 import Case as _DDPCase
+from distlab.grading.lab03 import compare_with_reference
+from distlab.grading.registry import Exercise
+from distlab.memory import ActivationMeter
+from distlab.model import GPT, GPTConfig, synthetic_batch
+from distlab.zero import (Axis, FlatParam, ZeRO3, checkpoint_module, comm_per_step, comm_snapshot, full_state_dict,
+                          make_engine, mixed_precision_step, raise_if_unfinished, state_bytes, stop_at_stub)
+
+_SEED = 4_2024
+COLLECTIVE_TIMEOUT = 10.0  # distlab's default, so the notebook's warm groups are the checkers' too
+JOB_TIMEOUT = 60.0
+
+__all__ = ["EXERCISES", "Case", "check_sharded_optimizer", "check_zero2", "check_zero3", "check_mixed_precision",
+           "check_checkpointing"]
+
+
+@dataclass
+class Case(_DDPCase):
+    wrap: str = "block"
+
+    def __str__(self) -> str:
+        text = super().__str__()
+        return text + (", one wrap unit for the whole model" if self.wrap == "model" else "")
+
+
+def _random_cfg(rng: random.Random) -> GPTConfig:
+    """Odd head widths: d_model = 2 mod 4, so on 4 ranks the flat buffers need padding."""
+    n_head = rng.choice([2, 6])
+    return GPTConfig(vocab_size=rng.choice([47, 61, 83]), seq_len=rng.choice([8, 12, 16]), n_layer=rng.randint(1, 2),
+                     n_head=n_head, d_model=n_head * rng.choice([3, 5, 7]), tied_embeddings=rng.random() < 0.6)
+
+
+def _case(rng: random.Random, model: str = "gpt", **overrides) -> Case:
+    """2 or 4 ranks (the notebook's warm groups); 2 steps: momentum and sharding show from step 2."""
+    case = Case(world_size=rng.choice([2, 4]), seed=rng.randrange(10_000), data_seed=rng.randrange(10_000),
+                cfg=_random_cfg(rng), model=model, rows=rng.choice([1, 2]), lr=rng.choice([0.05, 0.1]), steps=2)
+    for key, value in overrides.items():
+        setattr(case, key, value)
+    return case
+
+
+def _sizes(cases) -> str:
+    return "/".join(map(str, sorted({c.world_size for c in cases})))
+
+
+# ---------------------------------------------------------------- running on ranks
+
+def _launch(worker, case, *args):
+    import distlab
+    from distlab.launcher import CollectiveTimeout, RankCrashed, RankFailed
+
+    try:
+        return raise_if_unfinished(distlab.launch(
+            stop_at_stub, case.world_size, args=(worker, *args, case), warm=True, show_output=False, backend="gloo",
+            collective_timeout=COLLECTIVE_TIMEOUT, timeout=JOB_TIMEOUT))
+    except CollectiveTimeout as error:
+        raise CheckFailed(f"{case}: the ranks deadlocked ({str(error).splitlines()[0]}). Every rank must make the "
+                          f"same collective calls, in the same order, with tensors of the same size") from None
+    except RankCrashed as error:
+        raise CheckFailed(f"{case}: a rank crashed ({str(error).splitlines()[0]}): {_FREED}") from None
+    except RankFailed as error:
+        if "storage of size 0" not in str(error):
+            raise
+        raise CheckFailed(f"{case}: {str(error).splitlines()[0]}: {_FREED}") from None
+
+
+_FREED = ("writing into or computing with a tensor whose storage was freed does that — allocate flat.full's "
+          "storage (alloc_storage) before the all-gather writes into it")
+
+
+def _rank_seed(case: Case, rank: int) -> int:
+    return case.seed if rank == 0 else case.seed + 1000 * rank + 1  # != rank 0: the broadcast must happen
+
+
+def _add(total: dict, step: dict) -> None:
+    for op, row in step.items():
+        acc = total.setdefault(op, dict.fromkeys(row, 0.0))
+        for key, value in row.items():
+            acc[key] += value
+
+
+def _train_engine(stage: int, overrides: dict, case: Case) -> dict:
+    """A from-scratch stage with the student's piece; weights gathered after every step, traffic of the steps only."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    module = build_model(case.model, case.cfg, seed=_rank_seed(case, rank))
+    net, opt = make_engine(stage, module, "sgd", case.lr, wrap=case.wrap, bucket_cap_bytes=case.bucket_cap_bytes,
+                           **overrides)
+    zero3 = net if isinstance(net, ZeRO3) else None
+    out = {"initial": full_state_dict(module), "states": [], "comm": {}}
+    for step in range(case.steps):
+        (x, y), = local_batches(case.cfg, case.batch, step, rank, world, 1, case.data_seed)
+        before = comm_snapshot()
+        _, loss = net(x, y)
+        loss.backward()
+        if step == 0:
+            out["grads_left"] = [n for n, p in module.named_parameters() if p.grad is not None]
+        opt.step()
+        if step == case.steps - 1:
+            out["state_bytes"] = state_bytes(module, opt)
+        opt.zero_grad(set_to_none=True)
+        _add(out["comm"], comm_per_step(before, comm_snapshot(), case.steps))
+        out["states"].append(full_state_dict(module))
+    if zero3 is not None:
+        units = [sum(f.layout.padded_numel * f.full.element_size() for f in u.flats) for u in zero3.units]
+        shards = sum(f.local.untyped_storage().nbytes() for f in zero3.flat_params)
+        out["zero3"] = {"peak": zero3.peak_param_bytes, "at_rest": zero3.param_bytes(), "shards": shards,
+                        "bound": shards + units[0] + max(units[1:], default=0),
+                        "still_gathered": [u.name for u in zero3.units if any(f.gathered for f in u.flats)]}
+    return out
+
+
+def _wire(run) -> float:
+    return sum(row["wire"] for row in run[0]["comm"].values())
+
+
+def _grad_bytes(case: Case) -> int:
+    return gradient_bytes(build_model(case.model, case.cfg, seed=case.seed))
+
+
+def _check_ddp_bytes(run, case: Case, what: str) -> None:
+    """ZeRO-1/2 move what DDP moves: reduce-scatter + all-gather = one all-reduce, 2(N−1)/N·M."""
+    n, grad = case.world_size, _grad_bytes(case)
+    ddp = 2 * (n - 1) / n * grad
+    ratio = _wire(run) / ddp
+    ops = ", ".join(f"{op} {row['payload']:,.0f} B" for op, row in sorted(run[0]["comm"].items()))
+    if not 0.98 <= ratio <= 1.05:
+        raise CheckFailed(f"{case}: a step sent {ratio:.2f}× what DDP's all-reduce sends ({ops} per step){what}")
+
+
+# ---------------------------------------------------------------- 4.1 ZeRO-1
+
+def _momentum_reference(case: Case) -> dict:
+    """Single-process SGD with momentum on the full batch, matrices and vectors in two groups.
+
+    A flat buffer is stepped whole, so a parameter that got no gradient this step (on any rank)
+    is stepped with a zero gradient — with momentum it still moves. The reference does the same.
+    """
+    model = build_model(case.model, case.cfg, seed=case.seed)
+    matrices, vectors = _groups(model)
+    opt = torch.optim.SGD([{"params": matrices}, {"params": vectors, "lr": case.lr / 2}], lr=case.lr, momentum=0.9)
+    out = {"initial": _state(model), "states": []}
+    for step in range(case.steps):
+        x, y = synthetic_batch(case.cfg, case.batch, step, seed=case.data_seed)
+        opt.zero_grad(set_to_none=True)
+        model(x, y)[1].backward()
+        for p in model.parameters():
+            if p.requires_grad and p.grad is None:
+                p.grad = torch.zeros_like(p)
+        opt.step()
+        out["states"].append(_state(model))
+    return out
+
+
+def _groups(model: nn.Module) -> tuple[list, list]:
+    params = list(model.parameters())
+    return [p for p in params if p.dim() >= 2], [p for p in params if p.dim() < 2]
+
+
+def _state(model: nn.Module) -> dict:
+    return {name: t.detach().clone().float() for name, t in model.state_dict().items()}
+
+
+def _inner_optimizers(obj) -> list[torch.optim.Optimizer]:
+    return [v for v in vars(obj).values() if isinstance(v, torch.optim.Optimizer)]
+
+
+def _zero1_worker(optimizer_class, case: Case) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    model = build_model(case.model, case.cfg, seed=_rank_seed(case, rank))
+    broadcast_parameters(model)
+    matrices, vectors = _groups(model)
+    opt = optimizer_class([{"params": matrices}], torch.optim.SGD, lr=case.lr, momentum=0.9)
+    opt.add_param_group({"params": vectors, "lr": case.lr / 2})
+    out = {"initial": _state(model), "states": [], "comm": {}}
+    for step in range(case.steps):
+        (x, y), = local_batches(case.cfg, case.batch, step, rank, world, 1, case.data_seed)
+        before = comm_snapshot()
+        opt.zero_grad(set_to_none=True)
+        model(x, y)[1].backward()
+        opt.step()
+        _add(out["comm"], comm_per_step(before, comm_snapshot(), case.steps))
+        out["states"].append(_state(model))
+    inner = _inner_optimizers(opt)
+    out["inner"] = len(inner)
+    out["state_bytes"] = sum(v.numel() * v.element_size() for o in inner for s in o.state.values()
+                             for v in s.values() if isinstance(v, torch.Tensor))
+    return out
+
+
+def check_sharded_optimizer(optimizer_class) -> str:
+    """4.1: ``ShardedOptimizer(params, optimizer_class, **defaults)``: ``step``, ``zero_grad``, ``add_param_group``."""
+    rng = random.Random(_SEED + 1)
+    cases = [_case(rng, "gpt", world_size=4), _case(rng, "edge", world_size=2)]
+    for case in cases:
+        run = _launch(_zero1_worker, case, optimizer_class)
+        compare_with_reference(run, case, reference=_momentum_reference(case))
+        if run[0]["inner"] != 1:
+            raise CheckFailed(f"{case}: found {run[0]['inner']} torch optimizers among the attributes of your "
+                              f"ShardedOptimizer; keep exactly one (all groups' shards in it) so its state can be "
+                              f"measured")
+        full = 4 * sum(p.numel() for p in build_model(case.model, case.cfg).parameters() if p.requires_grad)
+        share = run[0]["state_bytes"] / full
+        if share > 1.05 / case.world_size + 0.01:
+            raise CheckFailed(f"{case}: rank 0's optimizer holds momentum for {share:.0%} of the parameters; with "
+                              f"{case.world_size} ranks it should be 1/{case.world_size}: give the inner optimizer "
+                              f"only this rank's shard of the flat buffer")
+        _check_ddp_bytes(run, case, ": reduce-scatter the gradients (each rank needs only its shard's average) and "
+                                    "all-gather the updated shards — that is exactly DDP's traffic")
+    return (f"{len(cases)} cases on {_sizes(cases)} ranks, two param groups, momentum: equal to single-process "
+            f"training, 1/N of the state per rank, DDP's bytes per step")
+
+
+# ---------------------------------------------------------------- 4.2 ZeRO-2
+
+def _bf16_reduce_worker(reduce_fn, case: Case) -> dict:
+    """bf16 gradients that cancel across ranks (+big on rank 0, −big on rank 1, small ones elsewhere):
+    their sum survives in fp32, while a bf16 sum that meets a big value first drops the small ones."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    generator = torch.Generator().manual_seed(case.seed)
+    numels = [int(n) for n in torch.randint(1, 40, (5,), generator=generator)]
+    total = sum(numels)
+    big = 2.0 ** torch.randint(10, 14, (total,), generator=generator).float()
+    values = [big, -big] + [torch.randint(1, 8, (total,), generator=generator).float() for _ in range(world - 2)]
+    params = [nn.Parameter(torch.zeros(n)) for n in numels]
+    flat = FlatParam(params, Axis.world(), dtype=torch.bfloat16, name="bucket")
+    for p, g in zip(params, values[rank].split(numels)):
+        p.grad = g.to(torch.bfloat16)  # every value here is exact in bf16
+    before = comm_snapshot()
+    reduce_fn(flat)
+    mean = torch.cat([sum(values) / world, torch.zeros(flat.layout.padding)]).to(torch.bfloat16).float()
+    shard = flat.grad_shard
+    return {"grads_left": sum(p.grad is not None for p in params), "expected": flat.layout.shard(mean, rank),
+            "shard": None if shard is None else (shard.dtype, shard.float().clone()),
+            "comm": comm_per_step(before, comm_snapshot(), 1), "numel": flat.layout.padded_numel}
+
+
+def _check_bf16_reduction(reduce_fn, rng: random.Random) -> None:
+    case = _case(rng, world_size=4)
+    run = _launch(_bf16_reduce_worker, case, reduce_fn)
+    for rank, out in enumerate(run):
+        if out["grads_left"]:
+            raise CheckFailed(f"bf16 bucket on {case.world_size} ranks: rank {rank} still holds {out['grads_left']} "
+                              f"full gradient(s) after the bucket was reduced: set p.grad = None")
+        if out["shard"] is None:
+            raise CheckFailed("bf16 bucket: flat.grad_shard is still None after reduce_scatter_grads(flat)")
+        dtype, shard = out["shard"]
+        if dtype != torch.bfloat16:
+            raise CheckFailed(f"bf16 bucket: grad_shard is {str(dtype).replace('torch.', '')}; store it in the "
+                              f"parameters' dtype (flat.dtype: 2 bytes in mixed precision, as 2 + 14/N assumes)")
+        expected = out["expected"]
+        ulp = torch.maximum(expected.abs(), torch.ones_like(expected)) * 2.0 ** -7
+        if shard.shape != expected.shape:
+            raise CheckFailed(f"bf16 bucket: grad_shard has {shard.numel()} elements, expected this rank's "
+                              f"{expected.numel()} (flat.layout.shard_numel)")
+        err = ((shard - expected).abs() / ulp).max().item()
+        rs = out["comm"].get("reduce_scatter", {})
+        per_element = rs.get("payload", 0) / out["numel"]
+        if per_element and per_element < 4:
+            raise CheckFailed(f"bf16 bucket: your reduce-scatter carried {per_element:g} bytes per element, so the "
+                              f"gradients were summed in bf16, whose 8-bit mantissa drops small gradients next to "
+                              f"large ones of the opposite sign: flatten them into an fp32 buffer first")
+        if err > 1.0:
+            raise CheckFailed(f"bf16 bucket: rank {rank}'s averaged gradient is off by {err:.0f} bf16 ulps: average "
+                              f"(sum, then divide by the world size) in fp32 and round once at the end")
+
+
+def check_zero2(reduce_scatter_grads) -> str:
+    """4.2: ``reduce_scatter_grads(flat)`` — average the bucket's gradients, keep this rank's shard, free the rest."""
+    rng = random.Random(_SEED + 2)
+    _check_bf16_reduction(reduce_scatter_grads, rng)
+    cases = [_case(rng, "gpt", world_size=2), _case(rng, "edge", world_size=4)]
+    for case in cases:
+        case.bucket_cap_bytes = rng.randint(_grad_bytes(case) // 6, _grad_bytes(case) // 3)
+        run = _launch(_train_engine, case, 2, {"reduce_fn": reduce_scatter_grads})
+        compare_with_reference(run, case)
+        for rank, out in enumerate(run):
+            if out["grads_left"]:
+                raise CheckFailed(f"{case}: after backward rank {rank} still holds the full gradient of "
+                                  f"{', '.join(out['grads_left'][:3])}: ZeRO-2 frees it once its bucket is reduced")
+        _check_ddp_bytes(run, case, ": one reduce-scatter per bucket, no all-reduce")
+    return (f"bf16 gradients reduced in fp32; {len(cases)} training cases on {_sizes(cases)} ranks: weights equal the "
+            f"single-process run, no full gradient kept after backward, DDP's bytes per step")
+
+
+# ---------------------------------------------------------------- 4.3 ZeRO-3
+
+def check_zero3(unshard, reshard) -> str:
+    """4.3: ``unshard(flat)`` gathers a unit into ``flat.full``, ``reshard(flat)`` frees it."""
+    rng = random.Random(_SEED + 3)
+    cases = [_case(rng, "gpt", world_size=4), _case(rng, "edge", world_size=4), _case(rng, "gpt", wrap="model")]
+    for case in cases:
+        case.cfg.n_layer = 2
+        run = _launch(_train_engine, case, 3, {"unshard_fn": unshard, "reshard_fn": reshard})
+        mem = run[0]["zero3"]  # memory first: a unit never freed is never gathered again, and goes stale
+        if mem["still_gathered"] or mem["at_rest"] > mem["shards"]:
+            raise CheckFailed(f"{case}: after the step rank 0 still holds {mem['at_rest'] - mem['shards']:,} bytes of "
+                              f"gathered parameters ({', '.join(mem['still_gathered'])}): reshard must free "
+                              f"flat.full's storage (free_storage / untyped_storage().resize_(0)) and keep the tensor, "
+                              f"which the parameters are views of")
+        if mem["peak"] > mem["bound"]:
+            raise CheckFailed(f"{case}: rank 0 held up to {mem['peak']:,} bytes of parameters, more than its shards "
+                              f"plus the root and one block gathered ({mem['bound']:,}): free each unit after use")
+        compare_with_reference(run, case)
+        n, grad = case.world_size, _grad_bytes(case)
+        ratio = _wire(run) / (2 * (n - 1) / n * grad)
+        if not 1.45 <= ratio <= 1.6:
+            raise CheckFailed(f"{case}: a step sent {ratio:.2f}× DDP's bytes; ZeRO-3 sends 1.5× (every parameter "
+                              f"all-gathered in forward and again in backward, gradients reduce-scattered once)")
+    return (f"{len(cases)} cases on {_sizes(cases)} ranks (per-block and whole-model units, frozen/tied parameters): "
+            f"weights equal the single-process run, only shards at rest, 1.5× DDP's bytes")
+
+
+# ---------------------------------------------------------------- 4.4 mixed precision
+
+def _mixed_case(seed: int, optimizer: str):
+    """bf16 compute copies, their fp32 masters, an optimizer over the masters, and 12 steps of small gradients."""
+    generator = torch.Generator().manual_seed(seed)
+    shapes = [(6, 5), (5,), (3, 7)]
+    exact = [torch.randn(s, generator=generator) for s in shapes]
+    exact[1] = torch.ones(5)  # a weight of 1: updates of 1e-5 are far below its bf16 spacing (2^-7)
+    masters = [e.clone() for e in exact]
+    make = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}[optimizer]
+    grads = [[(torch.randn(s, generator=generator) * 1e-2).to(torch.bfloat16) for s in shapes] for _ in range(12)]
+    return [e.to(torch.bfloat16) for e in exact], masters, make(masters, lr=1e-3), grads, exact
+
+
+def check_mixed_precision(step_fn) -> str:
+    """4.4: ``mixed_precision_step(params, masters, optimizer)`` on bf16 compute copies and fp32 masters."""
+    for seed, optimizer in ((_SEED + 41, "sgd"), (_SEED + 42, "adamw")):
+        mine, ref = _mixed_case(seed, optimizer), _mixed_case(seed, optimizer)
+        for step, grads in enumerate(mine[3]):
+            for (params, masters, opt, *_), fn in ((mine, step_fn), (ref, mixed_precision_step)):
+                for p, g in zip(params, grads):
+                    p.grad = g.clone()
+                fn(params, masters, opt)
+            for k, (p, m, rm, initial) in enumerate(zip(mine[0], mine[1], ref[1], mine[4])):
+                where = f"{optimizer}, step {step + 1}, tensor {k}"
+                if m.dtype != torch.float32 or p.dtype != torch.bfloat16:
+                    raise CheckFailed(f"{where}: masters must stay fp32 and compute copies bf16 (got "
+                                      f"{str(m.dtype).replace('torch.', '')} / {str(p.dtype).replace('torch.', '')})")
+                if not torch.equal(m, rm):
+                    hint = ("the master never moved: copy each p.grad, upcast to fp32, into master.grad before "
+                            "optimizer.step()" if torch.equal(m, initial) else
+                            "it should move exactly as the optimizer moves it with the upcast gradient")
+                    raise CheckFailed(f"{where}: the fp32 master differs from the reference by "
+                                      f"{(m - rm).abs().max().item():.3g}: {hint}")
+                if not torch.equal(p, m.to(torch.bfloat16)):
+                    raise CheckFailed(f"{where}: the bf16 compute copy is not the master rounded to bf16 (off by "
+                                      f"{(p.float() - m).abs().max().item():.3g}): copy the masters back into the "
+                                      f"compute copies after the step")
+    return ("SGD and AdamW, 12 steps each: fp32 masters accumulate updates below bf16's resolution, compute copies "
+            "follow")
+
+
+# ---------------------------------------------------------------- 4.5 activation checkpointing
+
+class _Stack(nn.Module):
+    """Not a transformer: checkpointing must work on any module."""
+
+    def __init__(self, seed: int):
+        super().__init__()
+        with torch.random.fork_rng():  # the notebook's global RNG stays untouched
+            torch.manual_seed(seed)
+            self.layers = nn.ModuleList(nn.Sequential(nn.Linear(24, 48), nn.GELU(), nn.Linear(48, 24))
+                                        for _ in range(3))
+
+    def forward(self, x):
+        for layer in self.layers:
+            x = x + layer(x)
+        return x.pow(2).mean()
+
+
+def _apply(checkpointed, container: nn.ModuleList) -> None:
+    for i, module in enumerate(container):
+        out = checkpointed(module)
+        if isinstance(out, nn.Module) and out is not module:
+            container[i] = out
+
+
+_REENTRANT = ("reentrant checkpointing (use_reentrant=True) drops the gradients of a module whose inputs do not "
+              "require grad; use use_reentrant=False")
+
+
+def _measure(what: str, model: nn.Module, loss_fn, inner: list[nn.Module]) -> tuple[int, float, dict, int]:
+    calls = [0]  # pre-hooks: a recompute stops right after the last tensor it needs, before forward hooks
+    hooks = [m.register_forward_pre_hook(lambda *_: calls.__setitem__(0, calls[0] + 1)) for m in inner]
+    with ActivationMeter(model) as meter:
+        loss = loss_fn()
+    if not loss.requires_grad:
+        raise CheckFailed(f"{what}: the loss does not require grad any more: {_REENTRANT}")
+    forward_calls = calls[0]
+    loss.backward()
+    for h in hooks:
+        h.remove()
+    grads = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
+    return meter.bytes, loss.item(), grads, calls[0] - forward_calls
+
+
+def check_checkpointing(checkpointed) -> str:
+    """4.5: ``checkpointed(module)`` makes a module recompute its forward in backward."""
+    rng = random.Random(_SEED + 5)
+    cfg = _random_cfg(rng)
+    cfg.n_layer = 2
+    x, y = synthetic_batch(cfg, 4, 0, seed=rng.randrange(1000))
+    data = torch.randn(16, 24, generator=torch.Generator().manual_seed(rng.randrange(1000)))
+    setups = [("GPT blocks", lambda: GPT(cfg, seed=3), lambda m: m.blocks, lambda m: m(x, y)[1],
+               lambda m: [b.mlp for b in m.blocks]),
+              ("a stack of MLPs", lambda: _Stack(7), lambda m: m.layers, lambda m: m(data),
+               lambda m: [layer[0] for layer in m.layers])]
+    for what, build, container, loss_fn, inner in setups:
+        plain, mine, lib = build(), build(), build()
+        _apply(checkpointed, container(mine))
+        for module in container(lib):
+            checkpoint_module(module)
+        b_plain, l_plain, g_plain, _ = _measure(what, plain, lambda: loss_fn(plain), inner(plain))
+        b_mine, l_mine, g_mine, recomputed = _measure(what, mine, lambda: loss_fn(mine), inner(mine))
+        b_lib, *_ = _measure(what, lib, lambda: loss_fn(lib), inner(lib))
+        missing = sorted(set(g_plain) - set(g_mine))
+        if missing:
+            raise CheckFailed(f"{what}: {', '.join(missing[:3])} got no gradient: {_REENTRANT}")
+        worst = max(((g_plain[n] - g_mine[n]).abs().max().item(), n) for n in g_plain)
+        if abs(l_plain - l_mine) > 1e-6 or worst[0] > 1e-6:
+            raise CheckFailed(f"{what}: with checkpointing the gradient of {worst[1]} differs by {worst[0]:.3g}; "
+                              f"recomputation must give the same numbers")
+        if b_mine >= b_plain:
+            raise CheckFailed(f"{what}: {b_mine:,} bytes saved for backward, as many as without checkpointing: run "
+                              f"the module's forward through torch.utils.checkpoint.checkpoint(…, "
+                              f"use_reentrant=False)")
+        if b_mine > 1.02 * b_lib:
+            raise CheckFailed(f"{what}: {b_mine:,} bytes saved for backward; checkpointing each module should keep "
+                              f"only its inputs ({b_lib:,} bytes)")
+        if recomputed != len(inner(mine)):
+            raise CheckFailed(f"{what}: backward ran the checkpointed modules' insides {recomputed} times, expected "
+                              f"{len(inner(mine))} (one recompute each)")
+    return "GPT blocks and an MLP stack: same gradients, only module inputs saved, one recompute per module"
+
+
+# ---------------------------------------------------------------- the quiz
+
+QUESTIONS = [
+    quiz.number("Q4.1", "ZeRO-2 bytes per parameter per rank, N = 8", answer=3.75, rel_tol=0.01,
+                hint="2 bytes of bf16 weights stay whole; gradients (2) and optimizer state (12) are split 8 ways — "
+                     "see 'Memory per rank: measured against the formulas'"),
+    quiz.number("Q4.2", "ZeRO-3 bytes sent per step, as a multiple of DDP's", answer=1.5, rel_tol=0.01,
+                hint="count the collectives per parameter in 'What each stage sends per step'"),
+    quiz.choice("Q4.3", "stages that send exactly what DDP sends", answer="b", options="abcd",
+                hint="an all-reduce is a reduce-scatter followed by an all-gather ('What each stage sends per step')"),
+    quiz.number("Q4.4", "70B model, ZeRO-3 on one 8-GPU node: GB of model states per GPU", answer=140, rel_tol=0.02,
+                hint="70e9 parameters × 16 bytes, shared by 8 GPUs ('70B on one 8×H100 node')"),
+    quiz.choice("Q4.5", "why FSDP wraps each transformer block", answer="b", options="abcd",
+                hint="compare the peak parameter bytes of the two policies in 'Wrapping policy'"),
+    quiz.choice("Q4.6", "HSDP: which traffic crosses the slow links between nodes", answer="c", options="abcd",
+                hint="look at the bytes per axis in 'HSDP: shard inside a node, replicate across nodes'"),
+    quiz.number("Q4.7", "FLOPs of a step with full activation checkpointing, relative to without", answer=4 / 3,
+                rel_tol=0.03, hint="forward costs 1, backward 2, and checkpointing adds one forward "
+                                   "('Exercise 4.5 — activation checkpointing')"),
+    quiz.number("Q4.8", "factor by which ZeRO-3 on 8 ranks cuts model-state bytes per rank vs DDP", answer=8,
+                rel_tol=0.01, hint="16 bytes against 16/N ('Memory per rank: measured against the formulas')"),
+]
+
+EXERCISES = [
+    Exercise("4.1", "ZeRO-1: a sharded optimizer around any torch optimizer", 4, check_sharded_optimizer),
+    Exercise("4.2", "ZeRO-2: reduce-scatter gradient buckets in fp32, free the rest", 3, check_zero2),
+    Exercise("4.3", "ZeRO-3: gather a unit before use, free it after", 4, check_zero3),
+    Exercise("4.4", "mixed precision: fp32 masters behind bf16 compute copies", 2, check_mixed_precision),
+    Exercise("4.5", "activation checkpointing of any module", 2, check_checkpointing),
+    *QUESTIONS,
+]

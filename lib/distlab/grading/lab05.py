@@ -1,0 +1,636 @@
+"""Lab 05 — tensor and sequence parallelism. Checkers run the student's code on 4 real gloo ranks.
+
+Every case is either one TP group of 4 ranks or two TP groups of 2 (ranks 0-1 and 2-3), so a
+collective without ``group=`` or a slice taken with the global rank shows up. Inputs, weights
+and upstream gradients are drawn from a fixed-seed generator; the parent process builds the
+same dense layer and compares every rank's output, input gradient and parameter gradients
+with the matching slices of the dense ones (fp32, 1e-5), and the collectives each phase
+issued (from distlab's comm log) with what Megatron-LM's layer issues. Failure messages name
+the case, the rank, the tensor and, where a mistake has a signature, its usual cause.
+An untouched stub's ``NotImplementedError`` propagates and is reported as "not attempted" — found by
+calling the student's code once in this process first (:func:`_stub_probe`), so an unfinished lab
+starts no ranks for it.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+import torch.nn.functional as F
+
+from distlab.grading import CheckFailed
+from distlab.grading import quiz
+from distlab.grading.registry import Exercise
+from distlab.model import Block, GPTConfig
+from distlab.tensor_parallel.communication import comm_since, comm_snapshot, tp_group, tp_rank
+from distlab.tensor_parallel.gpt import shard_of
+from distlab.tensor_parallel.layers import qkv_rows, shard_range
+
+__all__ = ["EXERCISES", "Case", "check_conjugate_functions", "check_parallel_linears", "check_parallel_mlp",
+           "check_parallel_attention", "check_vocab_parallel", "check_sequence_parallel"]
+
+_SEED = 5_2024
+WORLD = 4
+ATOL = 1e-5
+COLLECTIVE_TIMEOUT = 5.0
+JOB_TIMEOUT = 60.0
+
+
+@dataclass
+class Case:
+    tp: int
+    seed: int
+    batch: int = 2
+    seq_len: int = 8
+    d_in: int = 16
+    d_out: int = 24
+    bias: bool = True
+
+    def __str__(self) -> str:
+        groups = "one TP group of 4 ranks" if self.tp == WORLD else "two TP groups of 2 ranks (0-1, 2-3)"
+        return f"tp={self.tp}, {groups}"
+
+    def group_of(self, rank: int) -> list[int]:
+        start = rank // self.tp * self.tp
+        return list(range(start, start + self.tp))
+
+
+def _cases(rng: random.Random, **dims) -> list[Case]:
+    """Two cases: tp=2 (two groups, with biases) and tp=4, with random sizes divisible by 4."""
+    out = []
+    for tp in (2, 4):
+        case = Case(tp=tp, seed=rng.randrange(10**6), batch=rng.randint(1, 3), seq_len=4 * rng.randint(1, 3),
+                    d_in=4 * rng.randint(2, 6), d_out=4 * rng.randint(2, 6), bias=tp == 2 or rng.random() < 0.5)
+        for key, value in dims.items():
+            setattr(case, key, value(rng) if callable(value) else value)
+        out.append(case)
+    return out
+
+
+def _randn(shape, *seed) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(hash(seed) % (2**62))
+    return torch.randn(*shape, generator=generator)
+
+
+def _launch(worker, *args):
+    import distlab
+    from distlab.launcher import CollectiveTimeout
+
+    try:
+        return distlab.launch(worker, WORLD, args=args, warm=True, show_output=False, backend="gloo",
+                              collective_timeout=COLLECTIVE_TIMEOUT, timeout=JOB_TIMEOUT)
+    except CollectiveTimeout as error:
+        raise CheckFailed(f"the ranks deadlocked ({str(error).splitlines()[0]}): every rank of a TP group must "
+                          f"make the same collective calls, on the TP group (group=...)") from None
+
+
+def _stub_probe(*calls) -> None:
+    """Call the student's code once in this process, where there is no process group.
+
+    An untouched stub raises ``NotImplementedError`` at once: it propagates ("not attempted")
+    without starting ranks. Any other error — a collective needs the group this process does
+    not have — is left to the real check on ranks.
+    """
+    for call in calls:
+        try:
+            call()
+        except NotImplementedError:
+            raise
+        except Exception:
+            pass
+
+
+# ---------------------------------------------------------------- comparing
+
+def _close(got, expected) -> tuple[bool, str]:
+    if not isinstance(got, torch.Tensor):
+        return False, f"is {type(got).__name__}, not a tensor"
+    if tuple(got.shape) != tuple(expected.shape):
+        return False, f"has shape {tuple(got.shape)}, expected {tuple(expected.shape)}"
+    diff = (got.detach().double() - expected.double()).abs().max().item() if got.numel() else 0.0
+    if not diff <= ATOL:
+        return False, f"differs from the dense reference by up to {diff:.3g}"
+    return True, ""
+
+
+def _expect(case, rank: int, what: str, got, expected, hint: str = "") -> None:
+    ok, how = _close(got, expected)
+    if not ok:
+        raise CheckFailed(f"{case}, rank {rank}: {what} {how}" + (f": {hint}" if hint else ""))
+
+
+def _describe(counts: dict) -> str:
+    if not counts:
+        return "no collective"
+    return ", ".join(f"{calls} {kind}{'s' if calls > 1 else ''} ({payload:,} bytes)"
+                     for kind, (calls, payload) in sorted(counts.items()))
+
+
+def _expect_collectives(case, rank: int, what: str, got: dict, expected: dict, hint: str = "") -> None:
+    if got != expected:
+        raise CheckFailed(f"{case}, rank {rank}: {what} issued {_describe(got)}; Megatron's issues "
+                          f"{_describe(expected)}" + (f": {hint}" if hint else ""))
+
+
+def _grads_of(module: nn.Module) -> dict[str, torch.Tensor | None]:
+    return {name: None if p.grad is None else p.grad.detach().clone() for name, p in module.named_parameters()}
+
+
+def _expect_parameters(case, rank: int, what: str, got: dict, expected_names) -> None:
+    missing = sorted(set(expected_names) - set(got))
+    if missing:
+        raise CheckFailed(f"{case}, rank {rank}: {what} has parameters {sorted(got)}; expected "
+                          f"{sorted(expected_names)} "
+                          f"(named like the dense module's, each an nn.Parameter)")
+    for name in expected_names:
+        if got[name] is None:
+            raise CheckFailed(f"{case}, rank {rank}: {what}.{name} got no gradient: keep it an nn.Parameter that "
+                              f"the forward pass uses")
+
+
+# ---------------------------------------------------------------- 5.1 f and g
+
+def _worker_conjugate(f, g, case: Case) -> dict:
+    group, rank = tp_group(case.tp), dist.get_rank()
+    shape = (case.batch, case.seq_len, case.d_in)
+    x, w, z, v = (_randn(shape, case.seed, 1), _randn(shape, case.seed, 2, rank), _randn(shape, case.seed, 3, rank),
+                  _randn(shape, case.seed, 4, rank // case.tp))
+    out = {}
+    xf = x.clone().requires_grad_(True)
+    before = comm_snapshot()
+    y = f(xf, group)
+    out["f forward"] = comm_since(before)
+    out["f output"] = y.detach().clone()
+    before = comm_snapshot()
+    (y * w).sum().backward()
+    out["f backward"] = comm_since(before)
+    out["f grad"] = xf.grad.clone()
+    xs = x.clone().requires_grad_(True)
+    h = xs * 1.0
+    (f(h, group) + h).mul(w).sum().backward()  # the add hands one gradient tensor to both branches
+    out["f shared grad"] = xs.grad.clone()
+    zg = z.clone().requires_grad_(True)
+    before = comm_snapshot()
+    y = g(zg, group)
+    out["g forward"] = comm_since(before)
+    out["g output"] = y.detach().clone()
+    before = comm_snapshot()
+    (y * v).sum().backward()
+    out["g backward"] = comm_since(before)
+    out["g grad"] = zg.grad.clone()
+    return out
+
+
+def check_conjugate_functions(f, g) -> str:
+    """5.1: ``f(x, group)`` identity forward / all-reduce backward; ``g(x, group)`` the reverse."""
+    _stub_probe(lambda: f(torch.zeros(2, requires_grad=True), None).sum().backward(),
+                lambda: g(torch.zeros(2, requires_grad=True), None).sum().backward())
+    rng = random.Random(_SEED + 1)
+    cases = _cases(rng)
+    for case in cases:
+        run = _launch(_worker_conjugate, f, g, case)
+        shape = (case.batch, case.seq_len, case.d_in)
+        nbytes = 4 * case.batch * case.seq_len * case.d_in
+        x = _randn(shape, case.seed, 1)
+        for rank, out in enumerate(run):
+            members = case.group_of(rank)
+            w_sum = sum(_randn(shape, case.seed, 2, r) for r in members)
+            w_world = sum(_randn(shape, case.seed, 2, r) for r in range(WORLD))
+            own_w = _randn(shape, case.seed, 2, rank)
+            _expect(case, rank, "f(x) in forward", out["f output"], x,
+                    "f is the identity in forward (return x.view_as(x)); its all-reduce belongs to backward")
+            got = out["f grad"]
+            if case.tp < WORLD and _close(got, w_world)[0]:
+                raise CheckFailed(f"{case}, rank {rank}: x.grad is the sum over all {WORLD} ranks, not over its TP "
+                                  f"group of {case.tp}: pass group=group to the collective")
+            if case.tp > 1 and _close(got, own_w)[0]:
+                raise CheckFailed(f"{case}, rank {rank}: x.grad after f is this rank's own gradient, not the sum over "
+                                  f"its TP group: f's backward must all-reduce the incoming gradient")
+            _expect(case, rank, "x.grad after f", got, w_sum, "f's backward returns the gradient summed over the group")
+            _expect(case, rank, "x.grad when f's output gradient is shared with another branch (y = f(h) + h)",
+                    out["f shared grad"], w_sum + own_w,
+                    "f's backward reduced the incoming gradient in place, which autograd may share with another "
+                    "branch: all-reduce a copy (grad.clone())")
+            _expect_collectives(case, rank, "f in forward", out["f forward"], {})
+            _expect_collectives(case, rank, "f in backward", out["f backward"], {"all_reduce": (1, nbytes)})
+            z_sum = sum(_randn(shape, case.seed, 3, r) for r in members)
+            _expect(case, rank, "g(x) in forward", out["g output"], z_sum,
+                    "g returns the sum of x over the TP group (all-reduce a copy on the group)")
+            _expect(case, rank, "x.grad after g", out["g grad"], _randn(shape, case.seed, 4, rank // case.tp),
+                    "g's backward is the identity: the output's gradient is already the same on every rank")
+            _expect_collectives(case, rank, "g in forward", out["g forward"], {"all_reduce": (1, nbytes)})
+            _expect_collectives(case, rank, "g in backward", out["g backward"], {},
+                                "g's backward is the identity")
+    return "tp=2 (two groups) and tp=4: f and g exact forward and backward, one all-reduce each, on the TP group"
+
+
+# ---------------------------------------------------------------- 5.2 column- and row-parallel linears
+
+def _dense_linear(case: Case) -> nn.Linear:
+    dense = nn.Linear(case.d_in, case.d_out, bias=case.bias)
+    with torch.no_grad():
+        dense.weight.copy_(_randn(dense.weight.shape, case.seed, 10))
+        if case.bias:
+            dense.bias.copy_(_randn(dense.bias.shape, case.seed, 11))
+    return dense
+
+
+def _column_rows(case: Case, custom: bool) -> list[torch.Tensor]:
+    """Each TP rank's rows: contiguous blocks, or (custom) blocks of a fixed random permutation."""
+    order = torch.randperm(case.d_out, generator=torch.Generator().manual_seed(case.seed)) if custom \
+        else torch.arange(case.d_out)
+    return list(order.chunk(case.tp))
+
+
+def _run_layer(layer, x, upstream) -> dict:
+    x = x.clone().requires_grad_(True)
+    before = comm_snapshot()
+    y = layer(x)
+    forward = comm_since(before)
+    before = comm_snapshot()
+    y.backward(upstream)
+    return {"output": y.detach().clone(), "input grad": x.grad.clone(), "grads": _grads_of(layer),
+            "forward": forward, "backward": comm_since(before)}
+
+
+def _worker_linears(column_cls, row_cls, case: Case) -> dict:
+    group = tp_group(case.tp)
+    r = tp_rank(group)
+    dense = _dense_linear(case)
+    x = _randn((case.batch, case.seq_len, case.d_in), case.seed, 12)
+    g_out = _randn((case.batch, case.seq_len, case.d_out), case.seed, 13)
+    rows = _column_rows(case, custom=True)[r]
+    out = {"column": _run_layer(column_cls(dense, group), x, g_out[..., shard_range(case.d_out, case.tp, r)]),
+           "column rows": _run_layer(column_cls(dense, group, rows=rows), x, g_out[..., rows]),
+           "column gather": _run_layer(column_cls(dense, group, gather_output=True), x, g_out)}
+    g_row = _randn((case.batch, case.seq_len, case.d_out), case.seed, 14)
+    out["row"] = _run_layer(row_cls(dense, group), x[..., shard_range(case.d_in, case.tp, r)], g_row)
+    return out
+
+
+def _dense_pass(layer, x, upstream):
+    x = x.clone().requires_grad_(True)
+    y = layer(x)
+    y.backward(upstream)
+    return y.detach(), x.grad, {name: p.grad for name, p in layer.named_parameters()}
+
+
+def check_parallel_linears(column_cls, row_cls) -> str:
+    """5.2: ``ColumnParallelLinear(dense, group, rows=None, gather_output=False)`` and
+    ``RowParallelLinear(dense, group)``."""
+    _stub_probe(lambda: column_cls(nn.Linear(4, 4), None)(torch.zeros(1, 4)),
+                lambda: row_cls(nn.Linear(4, 4), None)(torch.zeros(1, 4)))
+    rng = random.Random(_SEED + 2)
+    cases = _cases(rng)
+    for case in cases:
+        run = _launch(_worker_linears, column_cls, row_cls, case)
+        dense = _dense_linear(case)
+        x = _randn((case.batch, case.seq_len, case.d_in), case.seed, 12)
+        y, x_grad, grads = _dense_pass(dense, x, _randn((case.batch, case.seq_len, case.d_out), case.seed, 13))
+        dense_row = _dense_linear(case)
+        y_row, x_grad_row, grads_row = _dense_pass(dense_row, x, _randn((case.batch, case.seq_len, case.d_out),
+                                                                        case.seed, 14))
+        m_in, m_out = 4 * x.numel(), 4 * y.numel()
+        names = ["weight", "bias"] if case.bias else ["weight"]
+        for rank, out in enumerate(run):
+            r = rank % case.tp
+            block = shard_range(case.d_out, case.tp, r)
+            for key, rows in (("column", torch.arange(case.d_out)[block]),
+                              ("column rows", _column_rows(case, custom=True)[r])):
+                res, what = out[key], "ColumnParallelLinear" + (" with rows=" if key == "column rows" else "")
+                _expect_parameters(case, rank, what, res["grads"], names)
+                _expect(case, rank, f"{what}.weight's gradient", res["grads"]["weight"], grads["weight"][rows],
+                        "a column-parallel layer keeps rows (output features) of dense.weight" +
+                        (", those listed in rows" if key == "column rows" else ""))
+                if case.bias:
+                    _expect(case, rank, f"{what}.bias's gradient", res["grads"]["bias"], grads["bias"][rows])
+                _expect(case, rank, f"{what}'s output", res["output"], y[..., rows])
+                _expect(case, rank, f"{what}'s input gradient", res["input grad"], x_grad,
+                        "the input enters through f: its gradient is summed over the TP group")
+                _expect_collectives(case, rank, f"{what} in forward", res["forward"], {})
+                _expect_collectives(case, rank, f"{what} in backward", res["backward"], {"all_reduce": (1, m_in)})
+            res = out["column gather"]
+            _expect(case, rank, "ColumnParallelLinear(gather_output=True)'s output", res["output"], y,
+                    "all-gather the ranks' output slices in rank order along the last dimension")
+            _expect(case, rank, "ColumnParallelLinear(gather_output=True)'s input gradient", res["input grad"], x_grad,
+                    "the gathered output's gradient must be split back to this rank's slice before the matmul")
+            _expect_collectives(case, rank, "ColumnParallelLinear(gather_output=True) in forward", res["forward"],
+                                {"all_gather": (1, m_out)})
+            res, cols = out["row"], shard_range(case.d_in, case.tp, r)
+            _expect_parameters(case, rank, "RowParallelLinear", res["grads"], names)
+            _expect(case, rank, "RowParallelLinear.weight's gradient", res["grads"]["weight"],
+                    grads_row["weight"][:, cols], "a row-parallel layer keeps columns (input features) of dense.weight")
+            hint = ""
+            if case.bias and _close(res["output"], y_row + (case.tp - 1) * dense_row.bias.detach())[0]:
+                hint = (f"the bias was added on each of the {case.tp} ranks before the all-reduce, so it is counted "
+                        f"{case.tp} times: add it once, after the reduction")
+            _expect(case, rank, "RowParallelLinear's output", res["output"], y_row, hint)
+            if case.bias:
+                _expect(case, rank, "RowParallelLinear.bias's gradient", res["grads"]["bias"], grads_row["bias"])
+            _expect(case, rank, "RowParallelLinear's input gradient", res["input grad"], x_grad_row[..., cols])
+            _expect_collectives(case, rank, "RowParallelLinear in forward", res["forward"], {"all_reduce": (1, m_out)})
+            _expect_collectives(case, rank, "RowParallelLinear in backward", res["backward"], {})
+    return ("tp=2 (two groups) and tp=4: column (contiguous, custom rows, gathered) and row layers equal the dense "
+            "Linear in output and every gradient")
+
+
+# ---------------------------------------------------------------- 5.3 / 5.4 the MLP and attention
+
+def _dense_block(cfg: GPTConfig, seed: int) -> Block:
+    """A transformer block with seeded weights, built directly on the CPU (fast in a fresh rank)."""
+    block = Block(cfg)
+    with torch.no_grad():
+        for i, (name, p) in enumerate(block.named_parameters()):
+            values = _randn(p.shape, seed, 100 + i)
+            if p.dim() == 2:
+                p.copy_(values / p.shape[1] ** 0.5)
+            else:
+                p.copy_(values * 0.1 + (1.0 if name.startswith("ln") and name.endswith("weight") else 0.0))
+    return block
+
+
+def _module_cfg(case: Case, n_head: int) -> GPTConfig:
+    return GPTConfig(vocab_size=32, seq_len=case.seq_len, n_layer=1, n_head=n_head, d_model=case.d_in, bias=case.bias)
+
+
+def _worker_module(module_cls, kind: str, case: Case, n_head: int) -> dict:
+    group = tp_group(case.tp)
+    cfg = _module_cfg(case, n_head)
+    dense = getattr(_dense_block(cfg, case.seed), kind)
+    x = _randn((case.batch, case.seq_len, case.d_in), case.seed, 20)
+    upstream = _randn((case.batch, case.seq_len, case.d_in), case.seed, 21)
+    return _run_layer(module_cls(dense, group), x, upstream)
+
+
+def _check_module(module_cls, kind: str, rng: random.Random, what: str, heads, hints: dict) -> list[Case]:
+    small = _dense_block(GPTConfig(vocab_size=8, seq_len=4, n_layer=1, n_head=2, d_model=8), 0)
+    _stub_probe(lambda: module_cls(getattr(small, kind), None)(torch.zeros(1, 4, 8)))
+    cases = _cases(rng)
+    for case in cases:
+        n_head = heads(rng, case)
+        run = _launch(_worker_module, module_cls, kind, case, n_head)
+        cfg = _module_cfg(case, n_head)
+        dense = getattr(_dense_block(cfg, case.seed), kind)
+        x = _randn((case.batch, case.seq_len, case.d_in), case.seed, 20)
+        y, x_grad, grads = _dense_pass(dense, x, _randn((case.batch, case.seq_len, case.d_in), case.seed, 21))
+        m = 4 * x.numel()
+        prefix = f"blocks.0.{kind}."
+        for rank, out in enumerate(run):
+            r = rank % case.tp
+            _expect_parameters(case, rank, what, out["grads"], list(grads))
+            for name, grad in grads.items():
+                expected = shard_of(prefix + name, grad, cfg, case.tp, r)
+                _expect(case, rank, f"{what}.{name}'s gradient", out["grads"][name], expected, hints.get(name, ""))
+            _expect(case, rank, f"{what}'s output", out["output"], y)
+            _expect(case, rank, f"{what}'s input gradient", out["input grad"], x_grad)
+            _expect_collectives(case, rank, f"{what} in forward", out["forward"], {"all_reduce": (1, m)},
+                                "one all-reduce (the row-parallel projection's g), nothing else")
+            _expect_collectives(case, rank, f"{what} in backward", out["backward"], {"all_reduce": (1, m)},
+                                "one all-reduce (the column-parallel input's f), nothing else")
+    return cases
+
+
+def check_parallel_mlp(mlp_cls) -> str:
+    """5.3: ``TensorParallelMLP(mlp, group)``: column-parallel fc, GELU, row-parallel proj."""
+    rng = random.Random(_SEED + 3)
+    _check_module(mlp_cls, "mlp", rng, "TensorParallelMLP", lambda rng, case: 4,
+                  {"fc.weight": "fc is column-parallel: keep its rows", "proj.weight": "proj is row-parallel: keep its "
+                   "columns, matching fc's rows"})
+    return "tp=2 (two groups) and tp=4: output and every gradient equal the dense MLP; one all-reduce each way"
+
+
+def check_parallel_attention(qkv_rows_fn, attention_cls) -> str:
+    """5.4: ``qkv_rows(d_model, n_head, tp, rank)`` and ``TensorParallelAttention(attn, group)``."""
+    rng = random.Random(_SEED + 4)
+    for _ in range(6):
+        tp = rng.choice([2, 4, 8])
+        head_dim, n_head = rng.choice([2, 4, 8]), tp * rng.randint(1, 3)
+        d_model, rank = n_head * head_dim, rng.randrange(tp)
+        expected = qkv_rows(d_model, n_head, tp, rank)
+        got = qkv_rows_fn(d_model, n_head, tp, rank)
+        got = torch.as_tensor(got).flatten()
+        if got.tolist() != expected.tolist():
+            contiguous = torch.arange(3 * d_model)[shard_range(3 * d_model, tp, rank)]
+            hint = ""
+            if got.tolist() == contiguous.tolist():
+                hint = (": that is a contiguous block of the packed rows, which mixes q, k and v; take your heads' "
+                        "rows from each of q (rows 0…d), k (d…2d) and v (2d…3d)")
+            raise CheckFailed(f"qkv_rows(d_model={d_model}, n_head={n_head}, tp={tp}, rank={rank}) returned "
+                              f"{got.tolist()[:8]}…, expected {expected.tolist()[:8]}…{hint}")
+    _check_module(attention_cls, "attn", rng, "TensorParallelAttention",
+                  lambda rng, case: case.tp * rng.randint(1, 2) if case.d_in % (2 * case.tp) == 0 else case.tp,
+                  {"qkv.weight": "keep the q, k and v rows of this rank's heads (qkv_rows)",
+                   "proj.weight": "proj is row-parallel: keep the columns of this rank's heads"})
+    return ("6 head layouts; tp=2 (two groups) and tp=4: output and every gradient equal the dense attention; "
+            "one all-reduce each way")
+
+
+# ---------------------------------------------------------------- 5.5 vocabulary-parallel embedding and loss
+
+def _worker_vocab(embedding_cls, loss_fn, case: Case) -> dict:
+    group = tp_group(case.tp)
+    r = tp_rank(group)
+    vocab = case.d_out
+    dense = nn.Embedding(vocab, case.d_in)
+    with torch.no_grad():
+        dense.weight.copy_(_randn(dense.weight.shape, case.seed, 30))
+    idx = torch.randint(vocab, (case.batch, case.seq_len), generator=torch.Generator().manual_seed(case.seed))
+    layer = embedding_cls(dense, group)
+    before = comm_snapshot()
+    y = layer(idx)
+    forward = comm_since(before)
+    y.backward(_randn((case.batch, case.seq_len, case.d_in), case.seed, 31))
+    out = {"embedding": {"output": y.detach().clone(), "grads": _grads_of(layer), "forward": forward}}
+    for scale in (1.0, 60.0):  # 60: exp() overflows fp32 unless the max is subtracted first
+        logits = scale * _randn((case.batch, case.seq_len, vocab), case.seed, 32)
+        local = logits[..., shard_range(vocab, case.tp, r)].clone().requires_grad_(True)
+        before = comm_snapshot()
+        loss = loss_fn(local, idx, group)
+        forward = comm_since(before)
+        before = comm_snapshot()
+        loss.backward()
+        out[f"loss x{scale:g}"] = {"loss": loss.detach().clone(), "grad": local.grad.clone(), "forward": forward,
+                                   "backward": comm_since(before)}
+    return out
+
+
+def check_vocab_parallel(embedding_cls, loss_fn) -> str:
+    """5.5: ``VocabParallelEmbedding(embedding, group)``, ``vocab_parallel_cross_entropy(logits, targets, group)``."""
+    _stub_probe(lambda: embedding_cls(nn.Embedding(8, 4), None)(torch.zeros(1, 2, dtype=torch.long)),
+                lambda: loss_fn(torch.zeros(1, 2, 8, requires_grad=True), torch.zeros(1, 2, dtype=torch.long), None))
+    rng = random.Random(_SEED + 5)
+    cases = _cases(rng, d_out=lambda rng: 4 * rng.randint(4, 12))
+    for case in cases:
+        run = _launch(_worker_vocab, embedding_cls, loss_fn, case)
+        vocab = case.d_out
+        dense = nn.Embedding(vocab, case.d_in)
+        with torch.no_grad():
+            dense.weight.copy_(_randn(dense.weight.shape, case.seed, 30))
+        idx = torch.randint(vocab, (case.batch, case.seq_len), generator=torch.Generator().manual_seed(case.seed))
+        y = dense(idx)
+        y.backward(_randn((case.batch, case.seq_len, case.d_in), case.seed, 31))
+        tokens = idx.numel()
+        for rank, out in enumerate(run):
+            r = rank % case.tp
+            rows = shard_range(vocab, case.tp, r)
+            emb = out["embedding"]
+            _expect_parameters(case, rank, "VocabParallelEmbedding", emb["grads"], ["weight"])
+            _expect(case, rank, "VocabParallelEmbedding.weight's gradient", emb["grads"]["weight"],
+                    dense.weight.grad[rows],
+                    f"rank {r} of the group keeps vocabulary rows {rows.start}…{rows.stop - 1}")
+            _expect(case, rank, "VocabParallelEmbedding's output", emb["output"], y.detach(),
+                    "look up only your rows (shift the ids by your first row), zero the tokens outside them, and "
+                    "sum over the TP group")
+            _expect_collectives(case, rank, "VocabParallelEmbedding in forward", emb["forward"],
+                                {"all_reduce": (1, 4 * y.numel())})
+            for scale in (1.0, 60.0):
+                logits = (scale * _randn((case.batch, case.seq_len, vocab), case.seed, 32)).requires_grad_(True)
+                loss = F.cross_entropy(logits.reshape(-1, vocab), idx.reshape(-1))
+                loss.backward()
+                res = out[f"loss x{scale:g}"]
+                hint = "" if scale == 1.0 else ("with logits of size ~60, exp() overflows: subtract the max over the "
+                                                "whole vocabulary (all-reduce with op=MAX) before exp")
+                _expect(case, rank, f"the loss (logits x{scale:g})", res["loss"].reshape(()), loss.detach(), hint)
+                _expect(case, rank, f"the logits' gradient (logits x{scale:g})", res["grad"], logits.grad[..., rows],
+                        hint or "the gradient of each rank's slice is softmax − one_hot on that slice, divided by "
+                                "the number of tokens")
+                moved = sum(payload for _, payload in res["forward"].values()) + \
+                    sum(payload for _, payload in res["backward"].values())
+                if "all_gather" in res["forward"] or moved > 4 * 4 * tokens:
+                    raise CheckFailed(
+                        f"{case}, rank {rank}: the loss's collectives ({_describe(res['forward'])} forward, "
+                        f"{_describe(res['backward'])} backward) move more than a few values per token: the full "
+                        f"logits ({4 * tokens * vocab:,} bytes) must never be gathered; all-reduce only the max, "
+                        f"the sum of exponentials and the target's logit ({4 * tokens:,} bytes each)")
+    return ("tp=2 (two groups) and tp=4: embedding and loss equal the dense ones (logits up to x60), "
+            "only per-token values communicated")
+
+
+# ---------------------------------------------------------------- 5.6 sequence parallelism
+
+def _worker_sequence(gather_fn, scatter_fn, case: Case) -> dict:
+    group = tp_group(case.tp)
+    rank, r = dist.get_rank(), tp_rank(group)
+    b, s, h = case.batch, case.seq_len, case.d_in
+    out = {}
+    shard = _randn((b, s // case.tp, h), case.seed, 40, rank).requires_grad_(True)
+    before = comm_snapshot()
+    full = gather_fn(shard, group)
+    out["gather forward"] = comm_since(before)
+    out["gathered"] = full.detach().clone()
+    before = comm_snapshot()
+    full.backward(_randn((b, s, h), case.seed, 41, rank))
+    out["gather backward"] = comm_since(before)
+    out["gather grad"] = shard.grad.clone()
+    partial = _randn((b, s, h), case.seed, 42, rank).requires_grad_(True)
+    before = comm_snapshot()
+    mine = scatter_fn(partial, group)
+    out["scatter forward"] = comm_since(before)
+    out["scattered"] = mine.detach().clone()
+    before = comm_snapshot()
+    mine.backward(_randn((b, s // case.tp, h), case.seed, 43, rank))
+    out["scatter backward"] = comm_since(before)
+    out["scatter grad"] = partial.grad.clone()
+    # a sequence-parallel LayerNorm + MLP: LN on the shard, gather, column/row matmuls, reduce-scatter
+    cfg = _module_cfg(case, 4)
+    block = _dense_block(cfg, case.seed)
+    ln = block.ln2
+    fc_w, proj_w = (shard_of(f"blocks.0.mlp.{name}.weight", getattr(block.mlp, name).weight.detach(), cfg, case.tp,
+                             r).clone().requires_grad_(True) for name in ("fc", "proj"))
+    x = _randn((b, s, h), case.seed, 44)[:, shard_range(s, case.tp, r)].clone().requires_grad_(True)
+    fc_b = None if block.mlp.fc.bias is None else shard_of("blocks.0.mlp.fc.bias", block.mlp.fc.bias.detach(), cfg,
+                                                            case.tp, r)
+    hidden = F.gelu(F.linear(gather_fn(ln(x), group), fc_w, fc_b))
+    y = x + scatter_fn(F.linear(hidden, proj_w), group)
+    if block.mlp.proj.bias is not None:
+        y = y + block.mlp.proj.bias.detach()  # after the reduce-scatter: once per token
+    y.backward(_randn((b, s, h), case.seed, 45)[:, shard_range(s, case.tp, r)])
+    out["mlp"] = {"output": y.detach().clone(), "input grad": x.grad.clone(), "fc": fc_w.grad.clone(),
+                  "proj": proj_w.grad.clone(), "ln": ln.weight.grad.clone()}
+    return out
+
+
+def check_sequence_parallel(gather_fn, scatter_fn) -> str:
+    """5.6: ``gather_sequence(x, group)`` (all-gather / reduce-scatter) and ``reduce_scatter_sequence(x, group)``."""
+    _stub_probe(lambda: gather_fn(torch.zeros(1, 2, 4, requires_grad=True), None).sum().backward(),
+                lambda: scatter_fn(torch.zeros(1, 2, 4, requires_grad=True), None).sum().backward())
+    rng = random.Random(_SEED + 6)
+    cases = _cases(rng)
+    for case in cases:
+        run = _launch(_worker_sequence, gather_fn, scatter_fn, case)
+        b, s, h, t = case.batch, case.seq_len, case.d_in, case.tp
+        m = 4 * b * s * h
+        cfg = _module_cfg(case, 4)
+        block = _dense_block(cfg, case.seed)
+        x = _randn((b, s, h), case.seed, 44).requires_grad_(True)
+        y = x + block.mlp(block.ln2(x))
+        y.backward(_randn((b, s, h), case.seed, 45))
+        for rank, out in enumerate(run):
+            members, r = case.group_of(rank), rank % t
+            mine = shard_range(s, t, r)
+            gathered = torch.cat([_randn((b, s // t, h), case.seed, 40, q) for q in members], dim=1)
+            _expect(case, rank, "gather_sequence's output", out["gathered"], gathered,
+                    "concatenate the group's shards in rank order along the sequence (dimension 1 of [batch, seq, "
+                    "hidden])")
+            summed_grads = sum(_randn((b, s, h), case.seed, 41, q) for q in members)
+            _expect(case, rank, "the shard's gradient after gather_sequence", out["gather grad"],
+                    summed_grads[:, mine], "the gradient of an all-gather is a reduce-scatter: sum the group's "
+                    "gradients and keep this rank's part of the sequence")
+            _expect_collectives(case, rank, "gather_sequence in forward", out["gather forward"], {"all_gather": (1, m)})
+            _expect_collectives(case, rank, "gather_sequence in backward", out["gather backward"],
+                                {"reduce_scatter": (1, m)})
+            partial_sum = sum(_randn((b, s, h), case.seed, 42, q) for q in members)
+            _expect(case, rank, "reduce_scatter_sequence's output", out["scattered"], partial_sum[:, mine],
+                    "sum over the TP group, and keep this rank's part of the sequence")
+            grads = torch.cat([_randn((b, s // t, h), case.seed, 43, q) for q in members], dim=1)
+            _expect(case, rank, "the input's gradient after reduce_scatter_sequence", out["scatter grad"], grads,
+                    "the gradient of a reduce-scatter is an all-gather of the shards' gradients")
+            _expect_collectives(case, rank, "reduce_scatter_sequence in forward", out["scatter forward"],
+                                {"reduce_scatter": (1, m)})
+            _expect_collectives(case, rank, "reduce_scatter_sequence in backward", out["scatter backward"],
+                                {"all_gather": (1, m)})
+            mlp = out["mlp"]
+            where = "a sequence-parallel LayerNorm + MLP built on your functions:"
+            _expect(case, rank, f"{where} the output shard", mlp["output"], y.detach()[:, mine])
+            _expect(case, rank, f"{where} the input shard's gradient", mlp["input grad"], x.grad[:, mine])
+            _expect(case, rank, f"{where} fc.weight's gradient", mlp["fc"],
+                    shard_of("blocks.0.mlp.fc.weight", block.mlp.fc.weight.grad, cfg, t, r))
+            _expect(case, rank, f"{where} proj.weight's gradient", mlp["proj"],
+                    shard_of("blocks.0.mlp.proj.weight", block.mlp.proj.weight.grad, cfg, t, r))
+        ln_total = sum(out["mlp"]["ln"] for rank, out in enumerate(run) if rank < t)
+        _expect(case, 0, "the LayerNorm weight's gradients summed over the group", ln_total, block.ln2.weight.grad,
+                "each rank's LayerNorm saw its own tokens only: their partial gradients must add up to the dense one")
+    return ("tp=2 (two groups) and tp=4: all-gather/reduce-scatter pairs exact both ways; a sequence-parallel "
+            "LayerNorm + MLP equals the dense one")
+
+
+EXERCISES = [
+    Exercise("5.1", "f and g: the conjugate all-reduce functions", 2, check_conjugate_functions),
+    Exercise("5.2", "column- and row-parallel linear layers", 3, check_parallel_linears),
+    Exercise("5.3", "the Megatron MLP: one all-reduce each way", 2, check_parallel_mlp),
+    Exercise("5.4", "attention with the heads split over ranks", 3, check_parallel_attention),
+    Exercise("5.5", "vocabulary-parallel embedding and cross-entropy", 3, check_vocab_parallel),
+    Exercise("5.6", "sequence parallelism: all-gather in, reduce-scatter out", 3, check_sequence_parallel),
+    quiz.number("Q5.1", "all-reduces per block per training step (TP, no SP)", answer=4,
+                hint="count f and g in attention and in the MLP, forward and backward (section 9, Every collective "
+                     "counted)"),
+    quiz.number("Q5.2", "MiB in one TP all-reduce of a 70B layer (4096 tokens, hidden 8192, bf16)", answer=64,
+                hint="the message is the layer's activation, b·s·h values of 2 bytes (section 13, Why TP stays "
+                     "inside an NVLink domain)"),
+    quiz.choice("Q5.3", "what sequence parallelism puts in place of each TP all-reduce", answer="b", options="abcd",
+                hint="look at the collectives counted with and without SP (sections 7 and 9)"),
+    quiz.number("Q5.4", "activation bytes per rank at TP=8 without SP, as a fraction of TP=1", answer=13 / 34,
+                rel_tol=0.02, hint="of the 34·sbh bytes of a layer, 10 stay whole on every rank and 24 are split "
+                                   "(section 10, Activation memory per rank)"),
+    quiz.number("Q5.5", "milliseconds for a 64 MiB ring all-reduce on 8 GPUs at 50 GB/s",
+                answer=2 * 7 / 8 * 2**26 / 50e9 * 1e3,
+                rel_tol=0.03, hint="a ring all-reduce sends 2(t−1)/t·M per GPU; divide by the link's bytes per "
+                                   "second (section 13)"),
+    quiz.choice("Q5.6", "why the number of attention heads must be divisible by the TP degree", answer="a",
+                options="abcd", hint="what does a rank need to compute softmax(q·kᵀ)·v for one head? (section 5, "
+                                     "attention: split the heads)"),
+]

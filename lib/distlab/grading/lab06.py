@@ -1,0 +1,381 @@
+"""Lab 06 — pipeline parallelism. Checkers for partitions, schedules and the executor, and the quiz.
+
+* 6.1 partitions: hidden layer counts and costs; an even split must be contiguous with
+  sizes within one of each other, a balanced split must reach the smallest possible
+  largest stage (found here by dynamic programming), counting the embedding on the first
+  stage and the head on the last.
+* 6.2/6.3/6.5 schedules: hidden ``(p, m, v)``, fewer micro-batches than stages included.
+  A schedule is checked by what it does, not by its exact text: it must be valid and
+  deadlock-free (:func:`~distlab.pipeline_parallel.validate`, which names the first
+  problem), reach its schedule's bubble in the unit-time simulation, and hold no more
+  micro-batches in flight than the schedule promises.
+* 6.4 the executor: runs the student's executor on real gloo ranks under hidden
+  schedules and shapes, and compares every rank's weights after an SGD step with the
+  single-process run on the whole batch (1e-6); checks the timeline (one span per
+  compute, in the schedule's order) and the traffic (``isend``/``irecv`` only, one
+  activation or gradient per message).
+"""
+
+from __future__ import annotations
+
+import random
+
+from distlab.grading import CheckFailed, quiz
+from distlab.grading.registry import Exercise
+from distlab.model import GPTConfig
+from distlab.pipeline_parallel import (ScheduleError, balanced_partition, bubble_fraction, check_partition, compute_spans,
+                                       interleaved_bubble_fraction, make_schedule, pipeline_worker, reference_states,
+                                       simulate, stage_costs, validate)
+
+_SEED = 6_2024
+COLLECTIVE_TIMEOUT = 15.0  # a deadlocked executor fails in seconds; a busy laptop still gets headroom
+JOB_TIMEOUT = 60.0
+
+__all__ = ["EXERCISES", "check_partitions", "check_schedules", "check_interleaved", "check_executor",
+           "check_zero_bubble"]
+
+
+# ---------------------------------------------------------------- 6.1 partitions
+
+def _as_ranges(result, where: str) -> list[range]:
+    try:
+        stages = list(result)
+    except TypeError:
+        raise CheckFailed(f"{where}: expected a list of ranges, got {type(result).__name__}") from None
+    out = []
+    for s, stage in enumerate(stages):
+        if isinstance(stage, range) and stage.step == 1:
+            out.append(stage)
+            continue
+        try:
+            layers = [int(i) for i in stage]
+        except TypeError:
+            raise CheckFailed(f"{where}: stage {s} is {stage!r}, expected a range of layer indices") from None
+        if layers != list(range(layers[0], layers[0] + len(layers))) if layers else True:
+            raise CheckFailed(f"{where}: stage {s} holds layers {layers}: a stage is a run of consecutive layers")
+        out.append(range(layers[0], layers[-1] + 1))
+    return out
+
+
+def _check_structure(stages: list[range], n_layers: int, n_stages: int, where: str) -> None:
+    try:
+        check_partition(stages, n_layers, n_stages)
+    except ValueError as error:
+        raise CheckFailed(f"{where}: {error}") from None
+
+
+def _expect_value_error(fn, args, where: str, why: str) -> None:
+    try:
+        fn(*args)
+    except ValueError:
+        return
+    except NotImplementedError:
+        raise
+    except Exception as error:  # noqa: BLE001 - a student's crash is a result
+        raise CheckFailed(f"{where}: raised {type(error).__name__}, expected a ValueError ({why})") from None
+    raise CheckFailed(f"{where}: returned normally, expected a ValueError ({why})")
+
+
+def check_partitions(even_partition, balanced_partition_fn) -> str:
+    """6.1: ``even_partition(n_layers, n_stages)`` and ``balanced_partition(costs, n_stages, first_extra, last_extra)``."""
+    rng = random.Random(_SEED + 1)
+    cases = [(rng.randint(2, 40), None) for _ in range(12)] + [(7, 7), (5, 1), (10, 4), (13, 4)]
+    for n_layers, n_stages in cases:
+        n_stages = n_stages or rng.randint(1, n_layers)
+        where = f"even_partition({n_layers}, {n_stages})"
+        stages = _as_ranges(even_partition(n_layers, n_stages), where)
+        _check_structure(stages, n_layers, n_stages, where)
+        sizes = [len(s) for s in stages]
+        if max(sizes) - min(sizes) > 1:
+            raise CheckFailed(f"{where}: stage sizes {sizes} differ by more than one layer")
+    _expect_value_error(even_partition, (3, 4), "even_partition(3, 4)", "4 stages cannot each get a layer of 3")
+
+    n_balanced = 0
+    for kind in ("uniform, heavy head", "random", "one huge layer", "one layer per stage", "one stage", "heavy ends"):
+        n = rng.randint(6, 24)
+        stages_n = rng.randint(2, min(6, n))
+        costs = [1.0] * n
+        first, last = 0.0, 0.0
+        if kind == "uniform, heavy head":
+            last = rng.uniform(1.5, 4.0)
+        elif kind == "random":
+            costs = [rng.uniform(0.2, 3.0) for _ in range(n)]
+            first, last = rng.uniform(0, 1), rng.uniform(0, 2)
+        elif kind == "one huge layer":
+            costs[rng.randrange(n)] = n / 2
+        elif kind == "one layer per stage":
+            stages_n = n = rng.randint(3, 6)
+            costs = [rng.uniform(0.5, 2.0) for _ in range(n)]
+        elif kind == "one stage":
+            stages_n = 1
+        else:
+            first, last = rng.uniform(2, 5), rng.uniform(2, 5)
+        where = (f"balanced_partition({len(costs)} layers {kind}, {stages_n} stages, first_extra={first:.2f}, "
+                 f"last_extra={last:.2f})")
+        got = _as_ranges(balanced_partition_fn(list(costs), stages_n, first, last), where)
+        _check_structure(got, len(costs), stages_n, where)
+        best = max(stage_costs(balanced_partition(costs, stages_n, first, last), costs, first, last))
+        mine = stage_costs(got, costs, first, last)
+        if max(mine) > best * (1 + 1e-9) + 1e-12:
+            hint = ""
+            without = max(stage_costs(balanced_partition(costs, stages_n), costs))
+            if max(stage_costs(got, costs)) <= without * (1 + 1e-9) and (first or last):
+                hint = (": your split is the best one if the embedding and the head cost nothing; add first_extra to "
+                        "the first stage and last_extra to the last")
+            raise CheckFailed(f"{where}: your largest stage costs {max(mine):.3f} (stage costs "
+                              f"{[round(c, 2) for c in mine]}), but a split whose largest stage costs {best:.3f} "
+                              f"exists{hint or ': a greedy fill is not enough; try every cut (dynamic programming) or binary-search the largest cost'}")
+        n_balanced += 1
+    _expect_value_error(lambda: balanced_partition_fn([1.0, 1.0], 3, 0.0, 0.0), (), "balanced_partition(2 layers, 3 "
+                        "stages)", "3 stages cannot each get a layer of 2")
+    return f"{len(cases)} even splits and {n_balanced} balanced splits, each optimal; too many stages raise ValueError"
+
+
+# ---------------------------------------------------------------- 6.2, 6.3, 6.5 schedules
+
+def _run_schedule_fn(fn, args: tuple, name: str):
+    where = f"{name}({', '.join(map(str, args))})"
+    try:
+        schedule = fn(*args)
+    except ValueError as error:
+        raise CheckFailed(f"{where} raised ValueError: {error}") from None
+    try:
+        schedule = [list(ops) for ops in schedule]
+    except TypeError:
+        raise CheckFailed(f"{where}: expected a list with one list of Actions per rank") from None
+    if len(schedule) != args[0]:
+        raise CheckFailed(f"{where}: returned actions for {len(schedule)} ranks, expected p={args[0]}")
+    return where, schedule
+
+
+def _check_one(where: str, schedule, m: int, v: int, bubble: float, costs: dict | None = None) -> list[float]:
+    try:
+        validate(schedule, m, v)
+    except ScheduleError as error:
+        raise CheckFailed(f"{where}: {error}") from None
+    sim = simulate(schedule, m, v, **(costs or {}))
+    if abs(sim.bubble - bubble) > 1e-9:
+        raise CheckFailed(f"{where}: in unit time (forward 1, backward 2) the ranks idle {sim.bubble:.4f} of the step, "
+                          f"the schedule should idle {bubble:.4f}: a rank waits where it could compute — compare "
+                          f"your order with distlab.pipeline_parallel.simulate's Gantt chart")
+    return sim.peak_in_flight
+
+
+def _schedule_cases(rng: random.Random) -> list[tuple[int, int]]:
+    cases = [(2, 1), (4, 2), (3, 3), (1, 3), (4, 16)]  # fewer micro-batches than stages, one rank, the interview case
+    cases += [(rng.randint(2, 6), rng.randint(1, 12)) for _ in range(6)]
+    return cases
+
+
+def check_schedules(gpipe_fn, one_f_one_b_fn) -> str:
+    """6.2: ``gpipe(p, m)`` and ``one_f_one_b(p, m)`` return each rank's actions."""
+    rng = random.Random(_SEED + 2)
+    cases = _schedule_cases(rng)
+    for p, m in cases:
+        where, schedule = _run_schedule_fn(gpipe_fn, (p, m), "gpipe")
+        peaks = _check_one(where, schedule, m, 1, bubble_fraction(p, m))
+        if any(peak != m for peak in peaks):
+            raise CheckFailed(f"{where}: ranks hold {peaks} micro-batches in flight; GPipe runs every forward "
+                              f"before any backward, so each rank holds all m={m}")
+        where, schedule = _run_schedule_fn(one_f_one_b_fn, (p, m), "one_f_one_b")
+        peaks = _check_one(where, schedule, m, 1, bubble_fraction(p, m))
+        for r, peak in enumerate(peaks):
+            if peak > min(p - r, m):
+                raise CheckFailed(f"{where}: rank {r} holds {peak:g} micro-batches in flight; 1F1B holds at most "
+                                  f"p - r = {p - r}: run p - r - 1 warm-up forwards, then alternate one forward "
+                                  f"and one backward")
+    return f"{len(cases)} (p, m) cases, m < p included: valid, bubble (p-1)/(m+p-1), GPipe holds m, 1F1B ≤ p - r"
+
+
+def check_interleaved(interleaved_fn) -> str:
+    """6.3: ``interleaved_1f1b(p, m, v)``; m not a multiple of p must raise ValueError."""
+    rng = random.Random(_SEED + 3)
+    cases = [(2, 2, 2), (4, 16, 2), (4, 8, 3), (3, 6, 2)]
+    cases += [(p, p * rng.randint(1, 3), rng.randint(2, 4)) for p in (rng.randint(2, 5) for _ in range(4))]
+    for p, m, v in cases:
+        where, schedule = _run_schedule_fn(interleaved_fn, (p, m, v), "interleaved_1f1b")
+        peaks = _check_one(where, schedule, m, v, interleaved_bubble_fraction(p, m, v))
+        for r, peak in enumerate(peaks):
+            limit = min(2 * (p - r - 1) + (v - 1) * p + 1, m * v) / v  # warm-up forwards + one, a stage = 1/v
+            if peak > limit + 1e-9:
+                raise CheckFailed(f"{where}: rank {r} holds {peak:.2f} micro-batches' activations in flight "
+                                  f"(a stage counts 1/v); its warm-up of 2(p-r-1) + (v-1)p forwards and one "
+                                  f"steady forward hold at most {limit:.2f}: start the backwards sooner")
+    _expect_value_error(interleaved_fn, (4, 6, 2), "interleaved_1f1b(4, 6, 2)", "m=6 is not a multiple of p=4")
+    return f"{len(cases)} (p, m, v) cases: valid, bubble (p-1)/(v·m+p-1); m not a multiple of p raises ValueError"
+
+
+def check_zero_bubble(zero_bubble_fn) -> str:
+    """6.5 (bonus): ``zero_bubble_h1(p, m)`` with the backward split into ``I`` and ``W``."""
+    rng = random.Random(_SEED + 5)
+    cases = [(4, 16), (2, 1), (3, 2), (4, 8)] + [(rng.randint(2, 6), rng.randint(1, 12)) for _ in range(4)]
+    for p, m in cases:
+        where, schedule = _run_schedule_fn(zero_bubble_fn, (p, m), "zero_bubble_h1")
+        if any(a.kind == "B" for ops in schedule for a in ops):
+            raise CheckFailed(f"{where}: uses full backwards (B); split each into I (input gradient) and W (weights)")
+        if m >= p:  # the deferred W's exactly fill the drain
+            peaks = _check_one(where, schedule, m, 1, (p - 1) / (3 * m + p - 1))
+        else:  # too few micro-batches to fill it: valid, and no worse than 1F1B
+            peaks = _check_one(where, schedule, m, 1, _sim_bubble(where, schedule, m))
+            if _sim_bubble(where, schedule, m) > bubble_fraction(p, m) + 1e-9:
+                raise CheckFailed(f"{where}: idles more than 1F1B would ({bubble_fraction(p, m):.4f})")
+        if max(peaks) > p:
+            raise CheckFailed(f"{where}: a rank holds {max(peaks):g} micro-batches in flight; ZB-H1 keeps 1F1B's "
+                              f"bound of p = {p}: defer only the W's, not the forwards")
+    return f"{len(cases)} cases: I/W split, bubble (p-1)/(3m+p-1) with F = I = W when m >= p, at most p in flight"
+
+
+def _sim_bubble(where: str, schedule, m: int) -> float:
+    try:
+        validate(schedule, m)
+        return simulate(schedule, m).bubble
+    except ScheduleError as error:
+        raise CheckFailed(f"{where}: {error}") from None
+
+
+# ---------------------------------------------------------------- 6.4 the executor
+
+def _executor_cases(rng: random.Random) -> list[dict]:
+    def cfg(n_layer: int) -> GPTConfig:
+        n_head = rng.choice([2, 4])
+        return GPTConfig(vocab_size=rng.choice([48, 64, 96]), seq_len=rng.choice([8, 12, 16]), n_layer=n_layer,
+                         n_head=n_head, d_model=n_head * rng.choice([4, 8]), tied_embeddings=rng.random() < 0.5)
+
+    return [  # all on 2 ranks: interleaved gives both ranks stages that receive and send
+        dict(p=2, schedule="1f1b", m=rng.choice([3, 4, 5]), v=1, cfg=cfg(rng.randint(2, 5))),
+        dict(p=2, schedule="1f1b", m=1, v=1, cfg=cfg(rng.randint(2, 4))),  # fewer micro-batches than stages
+        dict(p=2, schedule="interleaved", m=rng.choice([2, 4]), v=2, cfg=cfg(rng.randint(4, 6))),
+    ]
+
+
+def _describe(case: dict) -> str:
+    tied = ", tied embeddings" if case["cfg"].tied_embeddings else ""
+    return f"{case['schedule']} on p={case['p']} ranks, m={case['m']}" + (f", v={case['v']}" if case["v"] > 1 else "") \
+        + f", {case['cfg'].n_layer} layers{tied}"
+
+
+def _update_hint(got, ref, before, m: int) -> str:
+    from distlab.grading.lab03 import _update_factor
+
+    factor = _update_factor(got, ref, before)
+    if factor is None:
+        return ""
+    for target, why in ((m, f"the gradient is m={m} times too large: divide each micro-batch's loss by m"),
+                        (1 / m, f"the gradient is m={m} times too small: the loss was divided by m twice?"),
+                        (0.0, "the parameter never moved: its stage's backward did not run, or its gradient was "
+                              "lost (send x.grad back; do not zero it)")):
+        if abs(factor - target) <= 0.02 * max(abs(target), 1e-3):
+            return f": {why}"
+    return f" (its update is {factor:.2f}x the reference's)"
+
+
+def check_executor(execute) -> str:
+    """6.4: ``execute(actions, stages, micro_batches, p, num_stages)`` runs one rank's schedule; returns its losses."""
+    import distlab
+    from distlab.launcher import CollectiveTimeout
+
+    rng = random.Random(_SEED + 4)
+    cases = _executor_cases(rng)
+    steps, lr = 1, 0.1
+    for case in cases:
+        p, m, v, cfg = case["p"], case["m"], case["v"], case["cfg"]
+        rows = rng.choice([1, 2])
+        batch = rows * m
+        seed, data_seed = rng.randrange(1000), rng.randrange(1000)
+        what = _describe(case)
+        try:
+            run = distlab.launch(pipeline_worker, p, kwargs=dict(schedule=case["schedule"], cfg=cfg, m=m, v=v,
+                                 batch_size=batch, steps=steps, lr=lr, seed=seed, data_seed=data_seed,
+                                 executor=execute), warm=True, show_output=False, backend="gloo",
+                                 collective_timeout=COLLECTIVE_TIMEOUT, timeout=JOB_TIMEOUT)
+        except CollectiveTimeout as error:
+            raise CheckFailed(f"{what}: a rank waited forever ({str(error).splitlines()[0]}): post every receive the "
+                              f"schedule lists (irecv) and wait for it only in the compute that needs it") from None
+        ref = reference_states(cfg, steps=steps, batch_size=batch, lr=lr, seed=seed, data_seed=data_seed)
+        ref_before = reference_states(cfg, steps=steps - 1, batch_size=batch, lr=lr, seed=seed, data_seed=data_seed)
+        for r, out in enumerate(run):
+            for name, got in out["state"].items():
+                diff = (got.double() - ref.state_dict[name].double()).abs().max().item()
+                if diff > 1e-6:
+                    hint = _update_hint(got, ref.state_dict[name], ref_before.state_dict[name], m)
+                    raise CheckFailed(f"{what}: after {steps} SGD step(s) rank {r}'s {name} differs from the single-"
+                                      f"process run on the whole batch by {diff:.3g}{hint}")
+        last = (p * v - 1) % p
+        losses = run[last]["losses"]
+        if any(loss is None or abs(loss - want) > 1e-5 for loss, want in zip(losses, ref.losses)):
+            raise CheckFailed(f"{what}: rank {last} (the last stage) should return every micro-batch's loss "
+                              f"({{micro_batch: loss}}); their mean is {losses} per step, the batch loss is "
+                              f"{[round(x, 5) for x in ref.losses]}")
+        _check_timeline(run, case, steps)
+        _check_traffic(run, case, steps, rows)
+    return (f"{len(cases)} cases (1F1B, 1F1B with m < p, interleaved): weights equal the single-process "
+            f"run, spans follow the schedule, isend/irecv of one activation per message")
+
+
+def _check_timeline(run, case: dict, steps: int) -> None:
+    schedule = make_schedule(case["schedule"], case["p"], case["m"], case["v"])
+    for r, ops in enumerate(schedule):
+        want = [f"{a.kind}{a.microbatch}" for a in ops if a.kind in ("F", "B")] * steps
+        got = [s.label.split(".")[0] for s in sorted(compute_spans(run.spans), key=lambda s: s.start) if s.rank == r]
+        if got != want:
+            first = next((i for i, (g, w) in enumerate(zip(got, want)) if g != w), min(len(got), len(want)))
+            raise CheckFailed(f"{_describe(case)}: rank {r}'s timeline should hold one span per forward/backward, "
+                              f"labelled like 'F3'/'B3' (distlab.span(f'F{{mb}}')), in the schedule's order; span "
+                              f"#{first + 1} is {got[first] if first < len(got) else 'missing'}, expected "
+                              f"{want[first] if first < len(want) else 'none'}")
+
+
+def _check_traffic(run, case: dict, steps: int, rows: int) -> None:
+    schedule = make_schedule(case["schedule"], case["p"], case["m"], case["v"])
+    cfg = case["cfg"]
+    message = rows * cfg.seq_len * cfg.d_model * 4
+    for r, log in enumerate(run.comm):
+        blocking = [op for op in ("send", "recv") if op in log.ops]
+        if blocking:
+            raise CheckFailed(f"{_describe(case)}: rank {r} used blocking dist.{blocking[0]}; post isend/irecv and "
+                              f"wait only where the data is needed")
+        sends = sum(a.kind.startswith("SEND") for a in schedule[r]) * steps
+        recvs = sum(a.kind.startswith("RECV") for a in schedule[r]) * steps
+        got_sends = log.ops["isend"].calls if "isend" in log.ops else 0
+        got_recvs = log.ops["irecv"].calls if "irecv" in log.ops else 0
+        tied = cfg.tied_embeddings and case["p"] > 1 and r in (0, (case["p"] * case["v"] - 1) % case["p"])
+        extra = steps if tied else 0  # sync_tied_gradients: one exchange per step
+        if (got_sends - extra, got_recvs - extra) != (sends, recvs):
+            raise CheckFailed(f"{_describe(case)}: rank {r} posted {got_sends - extra} isend and {got_recvs - extra} "
+                              f"irecv in {steps} steps; the schedule lists {sends} sends and {recvs} receives")
+        payload = log.ops["isend"].payload_bytes - extra * _tied_bytes(cfg) if sends else 0
+        if sends and payload != sends * message:
+            raise CheckFailed(f"{_describe(case)}: rank {r} sent {payload:,} bytes in {sends} messages; each "
+                              f"activation or gradient is {message:,} bytes (rows x seq_len x d_model x 4)")
+
+
+def _tied_bytes(cfg: GPTConfig) -> int:
+    return cfg.vocab_size * cfg.d_model * 4
+
+
+# ---------------------------------------------------------------- quiz
+
+EXERCISES = [
+    Exercise("6.1", "partition layers into stages: even and cost-balanced", 2, check_partitions),
+    Exercise("6.2", "GPipe and 1F1B schedules", 3, check_schedules),
+    Exercise("6.3", "interleaved 1F1B schedule", 2, check_interleaved),
+    Exercise("6.4", "run any schedule on real ranks", 4, check_executor),
+    Exercise("6.5", "bonus: zero-bubble ZB-H1 schedule", 1, check_zero_bubble),
+    quiz.number("Q6.1", "bubble fraction for p = 4 stages and m = 16 micro-batches", 3 / 19, abs_tol=0.002,
+                hint="(p-1)/(m+p-1): see 'The bubble, in theory'"),
+    quiz.number("Q6.2", "smallest m that keeps the 1F1B bubble at or below 5% with p = 8", 133, abs_tol=0,
+                hint="solve (p-1)/(m+p-1) <= 0.05 for m: see 'The bubble, measured'"),
+    quiz.number("Q6.3", "interleaved 1F1B bubble for p = 4, m = 16, v = 2", 3 / 35, abs_tol=0.002,
+                hint="(p-1)/(v·m+p-1): see 'Interleaved 1F1B'"),
+    quiz.number("Q6.4", "micro-batches in flight on rank 0 under 1F1B with p = 4, m = 16", 4, abs_tol=0,
+                hint="count the warm-up forwards plus the first steady one: see 'Memory: GPipe against 1F1B'"),
+    quiz.number("Q6.5", "MiB sent forward per micro-batch between two stages of a 70B model (d_model 8192, "
+                "seq 4096, micro-batch 1, bf16)", 64, abs_tol=0.01,
+                hint="one activation of seq x micro-batch x d_model values: see 'Bytes between stages'"),
+    quiz.choice("Q6.6", "why pipeline parallelism is the parallelism that crosses nodes", "b", "abcd",
+                hint="compare what crosses a stage boundary with what tensor parallelism all-reduces: see 'Bytes "
+                     "between stages'"),
+    quiz.choice("Q6.7", "a guide says 'bubble = (p-1)/m'; what does that number measure", "c", "abcd",
+                hint="divide the bubble's time by the compute's, not by the whole step: see 'The bubble, in "
+                     "theory'"),
+]

@@ -1,0 +1,622 @@
+"""Lab 07 — ring attention and context parallelism. Checkers compare with full attention.
+
+The reference is always ``F.scaled_dot_product_attention`` on the whole sequence in one process
+(fp32; forward to 1e-5, gradients to 1e-4). The distributed exercises run on real gloo ranks (2
+and 4 of them, the warm groups the notebook uses): every rank draws the same full Q, K, V from a
+hidden seed, keeps its shard, runs the student's code, and the checker reassembles the shards.
+Beyond the values, the checkers read distlab's comm log and timeline: ring attention must pass
+K/V blocks with point-to-point messages (N-1 blocks per rank, each posted before the block in hand
+is computed), Ulysses must make four all-to-alls of the local shard. Failure messages name the
+case, the rank and the tensor, and the usual cause.
+
+Cases come from a fixed-seed generator, so the notebook's output is reproducible. An untouched
+stub's ``NotImplementedError`` propagates (from a rank too) and is reported as "not attempted".
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+import torch.nn.functional as F
+
+from distlab.context_parallel import (SEQ_DIM, attention_block, layout_positions, measure_work,
+                                      ring_bytes, shard, ulysses_bytes, unshard)
+from distlab.grading import CheckFailed
+from distlab.grading import quiz
+from distlab.grading.registry import Exercise
+
+_SEED = 7_2024
+FORWARD_ATOL = 1e-5
+GRAD_ATOL = 1e-4
+JOB_TIMEOUT = 60.0
+
+__all__ = ["EXERCISES", "Case", "check_online_softmax", "check_merge_and_blockwise", "check_ring_forward",
+           "check_causal_ring", "check_ring_backward", "check_ulysses"]
+
+
+@dataclass
+class Case:
+    world_size: int
+    batch: int
+    heads: int
+    seq_len: int
+    head_dim: int
+    seed: int
+    causal: bool = False
+    layout: str = "contiguous"
+
+    def tensors(self, count: int = 3) -> list[torch.Tensor]:
+        """The full Q, K, V (and, with count=4, the output gradient) that every rank draws alike."""
+        generator = torch.Generator().manual_seed(self.seed)
+        shape = (self.batch, self.heads, self.seq_len, self.head_dim)
+        return [torch.randn(shape, generator=generator) for _ in range(count)]
+
+    def __str__(self) -> str:
+        mask = "causal" if self.causal else "no mask"
+        return (f"N={self.world_size}, {self.seq_len} tokens ({self.layout}, {mask}), {self.heads} heads, "
+                f"head_dim {self.head_dim}")
+
+
+@contextmanager
+def _one_thread():
+    """The hidden cases are tiny: on one thread they take milliseconds, on a loaded machine too."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
+
+
+def _case(rng: random.Random, world_size: int, **overrides) -> Case:
+    layout = overrides.get("layout", "contiguous")
+    parts = 2 * world_size if layout == "zigzag" else world_size
+    case = Case(world_size=world_size, batch=rng.randint(1, 2), heads=rng.choice([1, 2, 3]),
+                seq_len=parts * rng.randint(3, 8), head_dim=rng.choice([4, 8, 16]), seed=rng.randrange(10_000))
+    for key, value in overrides.items():
+        setattr(case, key, value)
+    return case
+
+
+def _reference(q, k, v, causal=False):
+    scores = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+    if causal:
+        n = q.shape[SEQ_DIM]
+        scores = scores.masked_fill(~torch.ones(n, n, dtype=torch.bool).tril(), float("-inf"))
+    return F.scaled_dot_product_attention(q, k, v, is_causal=causal), torch.logsumexp(scores, dim=-1)
+
+
+def _worst(got: torch.Tensor, expected: torch.Tensor) -> tuple[float, tuple]:
+    diff = (got.detach().double() - expected.detach().double()).abs()
+    diff = torch.where(torch.isnan(diff), torch.full_like(diff, math.inf), diff)
+    index = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape))
+    return diff.max().item(), index
+
+
+def _compare(what: str, got, expected: torch.Tensor, atol: float, where: str, hint: str = "") -> None:
+    if not isinstance(got, torch.Tensor):
+        raise CheckFailed(f"{where}: {what} should be a tensor, got {type(got).__name__}")
+    if tuple(got.shape) != tuple(expected.shape):
+        raise CheckFailed(f"{where}: {what} has shape {tuple(got.shape)}, expected {tuple(expected.shape)}")
+    both_inf = torch.isinf(got) & torch.isinf(expected) & (torch.sign(got) == torch.sign(expected))
+    diff, index = _worst(torch.where(both_inf, torch.zeros_like(got), got),
+                         torch.where(both_inf, torch.zeros_like(expected), expected))
+    if diff > atol:
+        value = got[index].item()
+        raise CheckFailed(f"{where}: {what}{list(index)} is {value:.6g}, expected {expected[index].item():.6g} "
+                          f"(max abs error {diff:.3g} > {atol:g})" + (f": {hint}" if hint else ""))
+
+
+def _pair(result, where: str):
+    if not isinstance(result, (tuple, list)) or len(result) != 2:
+        raise CheckFailed(f"{where}: return the pair (out, lse), got {type(result).__name__}")
+    return result
+
+
+# ---------------------------------------------------------------- 7.1
+
+def _no_rescale(q, k_blocks, v_blocks):
+    """The classic mistake: running max and sums, but old sums never rescaled when the max grows."""
+    m = l = acc = None
+    for k, v in zip(k_blocks, v_blocks):
+        s = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
+        m = s.amax(-1) if m is None else torch.maximum(m, s.amax(-1))
+        p = torch.exp(s - m.unsqueeze(-1))
+        l = p.sum(-1) if l is None else l + p.sum(-1)
+        acc = p @ v if acc is None else acc + p @ v
+    return acc / l.unsqueeze(-1)
+
+
+def check_online_softmax(online_softmax_attention) -> str:
+    """7.1: ``online_softmax_attention(q, k_blocks, v_blocks) -> (out, lse)`` in one pass over streams."""
+    with _one_thread():
+        return _check_online_softmax(online_softmax_attention)
+
+
+def _check_online_softmax(online_softmax_attention) -> str:
+    rng = random.Random(_SEED + 1)
+    kinds = ["random", "rising max", "large scores", "random"]
+    for kind in kinds:
+        b, h, d = rng.randint(1, 2), rng.randint(1, 3), rng.choice([4, 8, 16])
+        q_len, sizes = rng.randint(3, 12), [rng.randint(1, 9) for _ in range(rng.randint(3, 6))]
+        generator = torch.Generator().manual_seed(rng.randrange(10_000))
+        q = torch.randn(b, h, q_len, d, generator=generator)
+        k = torch.randn(b, h, sum(sizes), d, generator=generator)
+        v = torch.randn(b, h, sum(sizes), d, generator=generator)
+        if kind == "rising max":  # later keys align ever better with every query: the max keeps growing
+            k = k * 0.1 + q.mean(2, keepdim=True) * torch.linspace(0, 3, sum(sizes)).view(1, 1, -1, 1)
+        if kind == "large scores":
+            q = q * 100  # scores of several hundred: exp overflows float32 past ~88
+        k_blocks, v_blocks = list(k.split(sizes, SEQ_DIM)), list(v.split(sizes, SEQ_DIM))
+        where = f"{kind} case ({q_len} queries, key blocks of {sizes})"
+        try:
+            out, lse = _pair(online_softmax_attention(q, iter(k_blocks), iter(v_blocks)), where)
+        except TypeError as error:
+            raise CheckFailed(f"{where}: raised TypeError ({error}): k_blocks and v_blocks are streams (iterators) "
+                              f"that can be read once; loop over zip(k_blocks, v_blocks) a single time") from None
+        expected_out, expected_lse = _reference(q, k, v)
+        if isinstance(out, torch.Tensor) and not torch.isfinite(out).all():
+            scores = (q @ k.transpose(-2, -1)).abs().max().item() / math.sqrt(d)
+            raise CheckFailed(f"{where}: out has inf/NaN with scores up to {scores:.0f}: exp() overflows float32 "
+                              f"past about 88, subtract the running max before exponentiating")
+        if isinstance(out, torch.Tensor) and out.shape == expected_out.shape:
+            diff, _ = _worst(out, expected_out)
+            if diff > FORWARD_ATOL and _worst(out, _no_rescale(q, k_blocks, v_blocks))[0] <= FORWARD_ATOL:
+                raise CheckFailed(f"{where}: out is off by {diff:.3g}: when a block raises the running max m, the "
+                                  f"running sum l and accumulator must be multiplied by exp(m_old - m_new) first")
+        _compare("out", out, expected_out, FORWARD_ATOL, where)
+        _compare("lse", lse, expected_lse, FORWARD_ATOL * max(1.0, expected_lse.abs().max().item()), where,
+                 "lse = m + log(l), the log of the softmax denominator")
+    return f"{len(kinds)} streams of uneven blocks, a rising max and scores of several hundred: equal to SDPA"
+
+
+# ---------------------------------------------------------------- 7.2
+
+def _check_merge(merge_partials, rng: random.Random) -> int:
+    cases = 0
+    for kind in ("random split", "one part sees nothing", "no part sees anything"):
+        b, h, d, n = rng.randint(1, 2), rng.randint(1, 3), rng.choice([4, 8]), rng.randint(6, 16)
+        generator = torch.Generator().manual_seed(rng.randrange(10_000))
+        q, k, v = (torch.randn(b, h, n, d, generator=generator) for _ in range(3))
+        cut = rng.randint(1, n - 1)
+        q_pos = torch.arange(n)
+        if kind == "random split":
+            k_pos = None
+            q_pos = None
+        elif kind == "one part sees nothing":
+            k_pos = torch.arange(n)  # causal: early queries see no key of the second part
+        else:
+            q_pos, k_pos = torch.arange(n), torch.arange(n) + n  # every key after every query
+        parts = [attention_block(q, k[:, :, a:z], v[:, :, a:z], q_pos, None if k_pos is None else k_pos[a:z])
+                 for a, z in ((0, cut), (cut, n))]
+        expected_out, expected_lse = attention_block(q, k, v, q_pos, k_pos)
+        where = f"merge_partials, {kind} (keys split {cut}+{n - cut})"
+        out, lse = _pair(merge_partials(*parts[0], *parts[1]), where)
+        if isinstance(out, torch.Tensor) and torch.isnan(out).any():
+            raise CheckFailed(f"{where}: out has NaN where a part's lse is -inf (its queries saw none of its keys): "
+                              f"such a part must get weight 0; when both are -inf the result is out = 0, lse = -inf "
+                              f"(guard exp(-inf - -inf))")
+        if isinstance(out, torch.Tensor) and kind == "random split" and out.shape == expected_out.shape:
+            if _worst(out, parts[0][0] + parts[1][0])[0] < 1e-6:
+                raise CheckFailed(f"{where}: out is out_a + out_b: weight each part by exp(lse_part - lse) with "
+                                  f"lse = log(exp(lse_a) + exp(lse_b))")
+        _compare("out", out, expected_out, FORWARD_ATOL, where)
+        _compare("lse", lse, expected_lse, FORWARD_ATOL, where, "lse = logaddexp(lse_a, lse_b)")
+        cases += 1
+    return cases
+
+
+def check_merge_and_blockwise(merge_partials, blockwise_attention) -> str:
+    """7.2: ``merge_partials(out_a, lse_a, out_b, lse_b)`` and ``blockwise_attention(q, k, v, block_size, causal)``."""
+    with _one_thread():
+        return _check_merge_and_blockwise(merge_partials, blockwise_attention)
+
+
+def _check_merge_and_blockwise(merge_partials, blockwise_attention) -> str:
+    rng = random.Random(_SEED + 2)
+    merges = _check_merge(merge_partials, rng)
+    cases = 0
+    for causal in (False, True, True):
+        b, h, d, n = rng.randint(1, 2), rng.randint(1, 3), rng.choice([4, 8, 16]), rng.randint(20, 40)
+        block = rng.choice([3, 5, 7, 8])
+        generator = torch.Generator().manual_seed(rng.randrange(10_000))
+        q, k, v = (torch.randn(b, h, n, d, generator=generator) for _ in range(3))
+        where = f"blockwise_attention, {n} tokens in blocks of {block} ({'causal' if causal else 'no mask'})"
+        with measure_work() as work:
+            out, lse = _pair(blockwise_attention(q, k, v, block, causal), where)
+        expected_out, expected_lse = _reference(q, k, v, causal)
+        hint = "the last block is shorter when block_size does not divide the sequence" if n % block else ""
+        if causal:
+            hint = hint or "key j is visible to query i when j <= i: pass the block's positions to attention_block"
+        _compare("out", out, expected_out, FORWARD_ATOL, where, hint)
+        _compare("lse", lse, expected_lse, FORWARD_ATOL, where, hint)
+        if causal and work.computed >= b * h * n * n:
+            raise CheckFailed(f"{where}: computed {work.computed:,} scores, as many as without a mask: blocks whose "
+                              f"first key comes after the last query are fully masked; skip them")
+        cases += 1
+    return f"{merges} merges (masked parts included) and {cases} blockwise runs, causal and not: equal to SDPA"
+
+
+# ---------------------------------------------------------------- running student code on ranks
+
+def _launch(worker, world_size: int, *args):
+    import distlab
+    from distlab.launcher import CollectiveTimeout
+
+    try:
+        return distlab.launch(worker, world_size, args=args, warm=True, show_output=False, backend="gloo",
+                              timeout=JOB_TIMEOUT)
+    except CollectiveTimeout as error:
+        raise CheckFailed(
+            f"on {world_size} ranks the ranks deadlocked ({str(error).splitlines()[0]}). Post each step's send and "
+            f"receive together (dist.batch_isend_irecv, or isend and irecv before waiting on either), on every rank, "
+            f"the same number of times") from None
+
+
+def _shards(case: Case, count: int = 3) -> list[torch.Tensor]:
+    rank = dist.get_rank()
+    return [shard(t, case.world_size, rank, case.layout) for t in case.tensors(count)]
+
+
+def _forward_worker(fn, cases, kind):
+    """On a rank: the student's forward on each case's shard; output, lse and what the comm log saw."""
+    from distlab import comm
+
+    results = []
+    for case in cases:
+        q, k, v = _shards(case)
+        events_before = len(comm.current_log().events)
+        with measure_work() as work:
+            if kind == "ring":
+                result = fn(q, k, v)
+            else:
+                result = fn(q, k, v, lambda r, c=case: layout_positions(c.seq_len, c.world_size, r, c.layout))
+        out, lse = result if isinstance(result, (tuple, list)) and len(result) == 2 else (result, None)
+        events = comm.current_log().events[events_before:]
+        results.append({"out": out, "lse": lse, "events": [(op, size, start) for op, size, start, _ in events],
+                        "computed": work.computed})
+    return results
+
+
+def _assemble(run, index: int, key: str, case: Case):
+    shards = [rank_results[index][key] for rank_results in run]
+    if any(not isinstance(s, torch.Tensor) for s in shards):
+        return None
+    return unshard([s.detach().float() for s in shards], case.layout)
+
+
+def _owner(case: Case, token: int) -> int:
+    return next(r for r in range(case.world_size)
+                if token in layout_positions(case.seq_len, case.world_size, r, case.layout).tolist())
+
+
+def _compare_shards(run, index: int, case: Case, name: str, expected: torch.Tensor, atol: float, missing: str,
+                    hint) -> None:
+    """Reassemble every rank's ``name`` shard and compare with ``expected``; ``hint(got)`` explains a mismatch."""
+    got = _assemble(run, index, name, case)
+    if got is None:
+        raise CheckFailed(f"{case}: {missing}")
+    if got.shape != expected.shape:
+        raise CheckFailed(f"{case}: the shards of {name} assemble to shape {tuple(got.shape)}, expected "
+                          f"{tuple(expected.shape)}")
+    diff, where = _worst(got, expected)
+    if diff > atol:
+        raise CheckFailed(f"{case}: rank {_owner(case, where[2])}'s {name} for token {where[2]} differs from full "
+                          f"attention's by {diff:.3g}: {hint(got)}")
+
+
+def _check_values(run, index: int, case: Case, hint: str) -> None:
+    expected_out, expected_lse = _reference(*case.tensors(), case.causal)
+    for name, expected in (("out", expected_out), ("lse", expected_lse)):
+        _compare_shards(run, index, case, name, expected, FORWARD_ATOL,
+                        "return (out, lse) from every rank, out [B, H, T/N, D] and lse [B, H, T/N]", lambda _: hint)
+
+
+def _p2p_bytes(events) -> int:
+    return sum(size for op, size, _ in events if op == "isend")
+
+
+def _check_ring_messages(run, index: int, case: Case) -> None:
+    expected = ring_bytes(case.batch, case.heads, case.seq_len, case.head_dim, case.world_size)
+    block = expected // (case.world_size - 1)
+    for rank, results in enumerate(run):
+        events = results[index]["events"]
+        others = sorted({op for op, _, _ in events} - {"isend", "irecv"})
+        if others:
+            raise CheckFailed(f"{case}: rank {rank} called {', '.join(others)}: ring attention passes K/V blocks to "
+                              f"the right neighbour with point-to-point messages (batch_isend_irecv); a collective "
+                              f"gathers all N blocks at once")
+        sent = _p2p_bytes(events)
+        if sent != expected:
+            raise CheckFailed(f"{case}: rank {rank} sent {sent:,} bytes, expected {expected:,} = (N-1) K/V blocks of "
+                              f"{block:,} bytes: send the block in hand once per step, and nothing after the last step")
+
+
+def _check_overlap(run, case: Case) -> None:
+    """Every transfer must be posted before the block in hand is computed (ordering, not timing)."""
+    for rank in range(case.world_size):
+        receives = [start for op, _, start in run[rank][0]["events"] if op == "irecv"]
+        blocks = sorted(s.start for s in run.spans if s.rank == rank and s.label == "attention")
+        if len(blocks) != case.world_size:
+            raise CheckFailed(f"{case}: rank {rank} called attention_block {len(blocks)} times, expected "
+                              f"{case.world_size} (one block per step): compute each block with attention_block")
+        for step, receive in enumerate(receives):
+            if receive > blocks[step]:
+                raise CheckFailed(
+                    f"{case}: on rank {rank} the receive of block {step + 1} was posted after block {step}'s compute "
+                    f"began: post the next transfer (batch_isend_irecv) before attention_block and wait for it "
+                    f"after, so the K/V transfer overlaps the compute")
+
+
+def _worlds(rng: random.Random, **overrides) -> list[Case]:
+    return [_case(rng, 2, **overrides), _case(rng, 4, **overrides)]
+
+
+# ---------------------------------------------------------------- 7.3
+
+def check_ring_forward(ring_attention_forward) -> str:
+    """7.3: ``ring_attention_forward(q, k, v) -> (out, lse)`` on contiguous shards, no mask."""
+    rng = random.Random(_SEED + 3)
+    cases = _worlds(rng)
+    for case in cases:
+        run = _launch(_forward_worker, case.world_size, ring_attention_forward, [case], "ring")
+        _check_ring_messages(run, 0, case)
+        _check_values(run, 0, case, "after step i a rank holds the block of rank (rank - i) mod N; merge every "
+                                    "block's (out, lse) into the running pair")
+        _check_overlap(run, case)
+    return (f"N=2 and N=4: equal to SDPA on the full sequence, N-1 K/V blocks sent per rank, each transfer posted "
+            f"before the block in hand is computed")
+
+
+# ---------------------------------------------------------------- 7.4
+
+def _check_zigzag_positions(zigzag_positions, rng: random.Random) -> int:
+    cases = 0
+    for world in (1, 2, 3, 4, 8):
+        seq_len = 2 * world * rng.randint(1, 4)
+        for rank in sorted({0, world - 1, rng.randrange(world)}):
+            expected = layout_positions(seq_len, world, rank, "zigzag").tolist()
+            got = zigzag_positions(seq_len, world, rank)
+            got = torch.as_tensor(got).flatten().tolist() if got is not None else None
+            if got != expected:
+                raise CheckFailed(f"zigzag_positions({seq_len}, {world}, {rank}) returned {got}, expected {expected}: "
+                                  f"cut the sequence into 2·N chunks; rank r holds chunk r, then chunk 2N-1-r")
+            cases += 1
+    try:
+        got = zigzag_positions(12, 4, 0)
+    except ValueError:
+        return cases
+    raise CheckFailed(f"zigzag_positions(12, 4, 0) returned {got!r}: 12 tokens do not split into 2·4 equal chunks; "
+                      f"raise a ValueError that names both numbers")
+
+
+def _ideal_computed(case: Case, rank: int) -> int:
+    """Scores one rank's causal ring must compute: every block through attention_block with positions."""
+    q_pos = layout_positions(case.seq_len, case.world_size, rank, case.layout)
+    with measure_work() as ideal:
+        for source in range(case.world_size):
+            k_pos = layout_positions(case.seq_len, case.world_size, source, case.layout)
+            shape = (case.batch, case.heads)
+            attention_block(torch.zeros(*shape, q_pos.numel(), 1), torch.zeros(*shape, k_pos.numel(), 1),
+                            torch.zeros(*shape, k_pos.numel(), 1), q_pos, k_pos)
+    return ideal.computed
+
+
+def check_causal_ring(zigzag_positions, causal_ring_attention) -> str:
+    """7.4: ``zigzag_positions(seq_len, world_size, rank)`` and
+    ``causal_ring_attention(q, k, v, positions_of) -> (out, lse)``."""
+    rng = random.Random(_SEED + 4)
+    n_positions = _check_zigzag_positions(zigzag_positions, rng)
+    layouts = ("contiguous", "zigzag", "striped")
+    for world in (2, 4):
+        cases = [_case(rng, world, causal=True, layout=layout) for layout in layouts]
+        run = _launch(_forward_worker, world, causal_ring_attention, cases, "causal")
+        for index, case in enumerate(cases):
+            _check_ring_messages(run, index, case)
+            _check_values(run, index, case, "mask each block with the positions of the rank it came from, "
+                                            "positions_of((rank - step) % N), against your own queries' positions")
+            for rank, results in enumerate(run):
+                ideal = _ideal_computed(case, rank)
+                if results[index]["computed"] > ideal:
+                    raise CheckFailed(f"{case}: rank {rank} computed {results[index]['computed']:,} scores, more than "
+                                      f"the {ideal:,} its causal blocks need: pass both blocks' positions to "
+                                      f"attention_block so that fully masked blocks and tiles are skipped")
+    return (f"{n_positions} zig-zag shards; causal ring on N=2 and N=4 with contiguous, zig-zag and striped layouts: "
+            f"equal to causal SDPA, masked blocks skipped")
+
+
+# ---------------------------------------------------------------- 7.5
+
+def _backward_worker(function_class, cases):
+    from distlab import comm
+
+    results = []
+    for case in cases:
+        q, k, v, dout = _shards(case, 4)
+        q, k, v = (t.requires_grad_() for t in (q, k, v))
+        out = function_class.apply(q, k, v, case.causal, case.layout)
+        events_before = len(comm.current_log().events)
+        out.backward(dout)
+        ops = sorted({event[0] for event in comm.current_log().events[events_before:]})
+        results.append({"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad, "ops": ops})
+    return results
+
+
+def _own_queries_only(case: Case, name: str) -> torch.Tensor:
+    """dK or dV as if accumulators never travelled: each block gets only its owner's queries' share."""
+    q, k, v, dout = case.tensors(4)
+    shards = []
+    for rank in range(case.world_size):
+        positions = layout_positions(case.seq_len, case.world_size, rank, case.layout)
+        mine = torch.zeros_like(dout).index_copy_(SEQ_DIM, positions, dout.index_select(SEQ_DIM, positions))
+        inputs = [t.clone().requires_grad_() for t in (q, k, v)]
+        F.scaled_dot_product_attention(*inputs, is_causal=case.causal).backward(mine)
+        shards.append(inputs[1 if name == "dk" else 2].grad.index_select(SEQ_DIM, positions))
+    return unshard(shards, case.layout)
+
+
+def _gradient_hint(run, index: int, case: Case, name: str, got: torch.Tensor, expected: torch.Tensor) -> str:
+    if name == "dq":
+        return "dQ of this rank's queries is the sum of every block's dq"
+    if _worst(got, _own_queries_only(case, name))[0] <= GRAD_ATOL:
+        return (f"{name} holds only the owner's own queries' share: a block's dK/dV accumulator must travel around "
+                f"the ring with it, collecting every rank's share, and come back to the block's owner")
+    shards = [run[r][index][name] for r in range(case.world_size)]
+    expected_shards = [shard(expected, case.world_size, r, case.layout) for r in range(case.world_size)]
+    if all(_worst(shards[r], expected_shards[(r + 1) % case.world_size])[0] <= GRAD_ATOL
+           for r in range(case.world_size)):
+        return ("rank r holds the complete dK/dV of block r+1: after the N-th step send the accumulator one more "
+                "hop, home to the block's owner")
+    return ("receive the block's accumulator from the left before adding this rank's share, then pass it right "
+            "with its block; dK/dV of a fully masked block get nothing from this rank")
+
+
+def check_ring_backward(function_class) -> str:
+    """7.5: a ``torch.autograd.Function`` with ``apply(q, k, v, causal, layout)`` whose backward runs the ring."""
+    rng = random.Random(_SEED + 5)
+    plans = {2: [dict(causal=False, layout="contiguous"), dict(causal=True, layout="zigzag")],
+             4: [dict(causal=True, layout="contiguous"), dict(causal=True, layout="zigzag"),
+                 dict(causal=False, layout="striped")]}
+    total = 0
+    for world, settings in plans.items():
+        cases = [_case(rng, world, **s) for s in settings]
+        run = _launch(_backward_worker, world, function_class, cases)
+        for index, case in enumerate(cases):
+            q, k, v, dout = case.tensors(4)
+            ref = [t.clone().requires_grad_() for t in (q, k, v)]
+            out = F.scaled_dot_product_attention(*ref, is_causal=case.causal)
+            out.backward(dout)
+            got_out = _assemble(run, index, "out", case)
+            if got_out is None:
+                raise CheckFailed(f"{case}: forward must return the attention output tensor")
+            _compare("out", got_out, out.detach(), FORWARD_ATOL, str(case), "forward must equal full attention")
+            for rank, result in enumerate(run):
+                others = sorted(set(result[index]["ops"]) - {"isend", "irecv"})
+                if others:
+                    raise CheckFailed(f"{case}: rank {rank}'s backward called {', '.join(others)}: K/V and their "
+                                      f"dK/dV accumulators travel around the ring with point-to-point messages")
+            for name, expected in (("dq", ref[0].grad), ("dk", ref[1].grad), ("dv", ref[2].grad)):
+                _compare_shards(run, index, case, name, expected, GRAD_ATOL,
+                                f"{name} is None: backward must return (dq, dk, dv, None, None), one gradient per "
+                                f"input of forward",
+                                lambda got, n=name, e=expected: _gradient_hint(run, index, case, n, got, e))
+            total += 1
+    return f"{total} cases on N=2 and N=4, causal and not, three layouts: output and dQ, dK, dV equal SDPA's"
+
+
+# ---------------------------------------------------------------- 7.6
+
+def _ulysses_worker(fn, cases, bad_case):
+    from distlab import comm
+
+    results = []
+    for case in cases:
+        q, k, v = _shards(case)
+        before = len(comm.current_log().events)
+        out = fn(q, k, v, case.causal)
+        events = comm.current_log().events[before:]
+        results.append({"out": out, "events": [(op, size, start) for op, size, start, _ in events]})
+    q, k, v = _shards(bad_case)
+    try:
+        fn(q, k, v, bad_case.causal)
+        refused = None
+    except NotImplementedError:
+        raise
+    except Exception as error:  # noqa: BLE001 - reported to the student as what went wrong
+        refused = (type(error).__name__, str(error).strip().splitlines()[0] if str(error).strip() else "")
+    return {"results": results, "refused": refused}
+
+
+def check_ulysses(ulysses_attention) -> str:
+    """7.6: ``ulysses_attention(q, k, v, causal) -> out`` with two all-to-alls each way."""
+    rng = random.Random(_SEED + 6)
+    for world in (2, 4):
+        cases = [_case(rng, world, heads=world * rng.randint(1, 2), causal=causal) for causal in (False, True)]
+        bad = _case(rng, world, heads=world + 1)
+        run = _launch(_ulysses_worker, world, ulysses_attention, cases, bad)
+        for index, case in enumerate(cases):
+            shards = [r["results"][index]["out"] for r in run]
+            if any(not isinstance(s, torch.Tensor) for s in shards):
+                raise CheckFailed(f"{case}: return the output shard [B, H, T/N, D] on every rank")
+            expected, _ = _reference(*case.tensors(), case.causal)
+            got = unshard([s.detach().float() for s in shards], "contiguous")
+            _compare("out", got, expected, FORWARD_ATOL, str(case),
+                     "after the first all-to-all a rank holds all T tokens of H/N heads, sequence chunks in rank "
+                     "order; the second all-to-all sends sequence chunk j of every head back to rank j")
+            expected_bytes = ulysses_bytes(case.batch, case.heads, case.seq_len, case.head_dim, world)
+            for rank, result in enumerate(run):
+                events = result["results"][index]["events"]
+                others = sorted({op for op, _, _ in events} - {"all_to_all_single", "all_to_all"})
+                if others:
+                    raise CheckFailed(f"{case}: rank {rank} called {', '.join(others)}: Ulysses moves data with "
+                                      f"all-to-alls only (sequence shards to head shards and back)")
+                shard_bytes = case.batch * case.heads * case.seq_len // world * case.head_dim * 4
+                payload = sum(size for _, size, _ in events)
+                if payload != 4 * shard_bytes:
+                    raise CheckFailed(f"{case}: rank {rank}'s all-to-alls carried {payload:,} bytes, expected "
+                                      f"{4 * shard_bytes:,} = 4 × its shard (Q, K, V in, the output back; "
+                                      f"{expected_bytes:,.0f} of them leave the rank)")
+        refusal = run[0]["refused"]
+        if refusal is None or refusal[0] != "ValueError":
+            raise CheckFailed(f"{bad}: {bad.heads} heads on {world} ranks cannot be split into whole heads, yet "
+                              + ("it ran without error" if refusal is None else f"it raised {refusal[0]}: {refusal[1]}")
+                              + ": raise a ValueError naming the heads and the ranks before any all-to-all")
+    return "N=2 and N=4, causal and not: equal to SDPA with 4 all-to-alls of the shard; heads % N != 0 refused"
+
+
+# ---------------------------------------------------------------- quiz
+
+
+def _q_bytes_ratio() -> float:
+    n, shape = 8, (1, 32, 8192, 128)
+    return ring_bytes(*shape, n, bytes_per_value=2) / ulysses_bytes(*shape, n, bytes_per_value=2)
+
+
+def _q_checkpointed_gib() -> float:
+    from distlab.memory import GiB, PRESETS, activation_bytes_per_layer
+
+    model = PRESETS["70B"]
+    per_layer = activation_bytes_per_layer(131072 // 16, 1, model.d_model, model.n_head, checkpointing=True)
+    return model.n_layer * per_layer / GiB
+
+
+def _q_hidden_tokens() -> float:
+    from distlab.context_parallel import hidden_transfer_tokens
+    from distlab.flops import PEAK_FLOPS
+
+    return hidden_transfer_tokens(PEAK_FLOPS["H100 SXM bf16"], 50e9, bytes_per_value=2)
+
+
+EXERCISES = [
+    Exercise("7.1", "online softmax over streaming key blocks", 2, check_online_softmax),
+    Exercise("7.2", "merge partial attention by log-sum-exp; blockwise", 2, check_merge_and_blockwise),
+    Exercise("7.3", "ring attention forward with overlapped K/V passes", 3, check_ring_forward),
+    Exercise("7.4", "causal ring attention and the zig-zag layout", 3, check_causal_ring),
+    Exercise("7.5", "ring attention backward: dK/dV around the ring", 4, check_ring_backward),
+    Exercise("7.6", "DeepSpeed-Ulysses all-to-all attention", 3, check_ulysses),
+    quiz.number("Q7.1", "K/V blocks a rank sends in ring forward, N=8", 7, abs_tol=0,
+                hint="count the steps at which a block leaves the rank (section 'Exercise 7.3 — ring attention')"),
+    quiz.number("Q7.2", "contiguous causal ring, N=4: slowest rank's work / mean", 1.75, rel_tol=0.01,
+                hint="rank r sees r whole blocks and half of its own; compare the last rank with the average "
+                     "(section 'Causal masks: skipped blocks and unequal work')"),
+    quiz.number("Q7.3", "ring forward bytes / Ulysses forward bytes per rank, N=8", _q_bytes_ratio(), rel_tol=0.01,
+                hint="ring sends N-1 K/V blocks; Ulysses sends (N-1)/N of four shards (section 'Bytes: ring "
+                     "against Ulysses')"),
+    quiz.number("Q7.4", "largest Ulysses degree for 64 query heads, 8 K/V heads", 8, abs_tol=0,
+                hint="each rank must hold whole K/V heads after the all-to-all (section 'Exercise 7.6 — "
+                     "DeepSpeed-Ulysses')"),
+    quiz.number("Q7.5", "tokens per rank to hide a ring step over 50 GB/s on an H100", _q_hidden_tokens(),
+                rel_tol=0.02, hint="compute 4·t²·d FLOPs against 2·t·d·2 bytes per head and step (section "
+                                   "'When each wins')"),
+    quiz.number("Q7.6", "GiB of checkpointed layer inputs per GPU, 70B, 128k tokens, CP=16", _q_checkpointed_gib(),
+                rel_tol=0.02, hint="2·s·b·h bytes per layer for the tokens of one rank, 80 layers (section "
+                                   "'At scale: 128k tokens of a 70B model')"),
+    quiz.choice("Q7.7", "ring attention or Ulysses", "c", "abc",
+                hint="one needs whole heads per rank and an all-to-all across every rank; the other only talks to "
+                     "its neighbours (section 'When each wins')"),
+]

@@ -1,0 +1,552 @@
+"""Lab 08 — Mixture of Experts. Checkers compare the student's code with :mod:`distlab.moe`.
+
+Exercises 8.1–8.5 run in this process on hidden random cases (token counts, widths,
+expert counts, k, capacity factors, skewed routers that force drops); 8.6 runs the
+student's expert-parallel layer on 2 and 4 real gloo ranks, with uneven token counts, a
+capacity limit, a rank that receives no token and one expert that receives them all, and
+compares every rank's output and gradients (tokens, router, every expert on its owner)
+with the single-device layer to 1e-5. Where a wrong answer matches a known mistake (gates
+not renormalised, second choices before first choices, the bias in the gates, the combine
+sent with the dispatch's splits…) the failure names it. Cases come from fixed-seed
+generators, so notebook output is reproducible; an untouched stub's
+``NotImplementedError`` propagates and is reported as "not attempted".
+"""
+
+from __future__ import annotations
+
+import math
+import numbers
+import random
+from dataclasses import dataclass
+
+import torch
+import torch.distributed as dist
+
+from distlab.grading import CheckFailed, quiz
+from distlab.grading.registry import Exercise
+from distlab.moe import (DEEPSEEK_V3, all_to_all_bytes, assign_capacity, expert_capacity, imbalance,
+                         load_balancing_loss, local_expert_ids, make_experts, moe_forward, route, router_z_loss,
+                         skewed_tokens, update_expert_bias)
+
+_SEED = 8_2024
+ATOL = 1e-5
+JOB_TIMEOUT = 60.0
+_SMALL = 1024  # bytes of bookkeeping (split sizes) a rank may exchange besides the tokens
+
+__all__ = ["EXERCISES", "EPCase", "check_router", "check_capacity", "check_balancing_losses", "check_bias_update",
+           "check_moe_layer", "check_expert_parallel"]
+
+
+def _generator(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
+
+
+def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
+    return (a.detach().double() - b.detach().double()).abs().max().item() if a.numel() else 0.0
+
+
+def _close(a: torch.Tensor, b: torch.Tensor, atol: float = ATOL) -> bool:
+    return a.shape == b.shape and torch.allclose(a.detach().double(), b.detach().double(), rtol=atol, atol=atol)
+
+
+# ---------------------------------------------------------------- 8.1 router
+
+def _as_routing(got, where: str):
+    for name in ("probs", "experts", "gates"):
+        if not hasattr(got, name):
+            raise CheckFailed(f"{where}: return a distlab.moe.Routing(logits, probs, experts, gates), "
+                              f"got {type(got).__name__}")
+    return got
+
+
+def check_router(route_fn) -> str:
+    """8.1: ``route(x, weight, k, bias=None)`` → ``Routing`` (probs, top-k experts, gates)."""
+    rng = random.Random(_SEED + 1)
+    cases = [(1, False), (2, False), (rng.randint(3, 4), False), (2, True), (1, True)]
+    for i, (k, with_bias) in enumerate(cases):
+        T, d, E = rng.randint(12, 40), rng.choice([8, 12, 16]), rng.choice([4, 6, 8, 12])
+        g = _generator(_SEED + 10 + i)
+        x = torch.randn(T, d, generator=g)
+        w_ref = (torch.randn(E, d, generator=g) / math.sqrt(d)).requires_grad_(True)
+        bias = torch.randn(E, generator=g) * 0.2 if with_bias else None
+        where = f"T={T} tokens, E={E} experts, k={k}" + (", with a selection bias" if with_bias else "")
+        expected = route(x, w_ref, k, bias)
+        w = w_ref.detach().clone().requires_grad_(True)
+        got = _as_routing(route_fn(x, w, k, bias) if with_bias else route_fn(x, w, k), where)
+        if tuple(got.probs.shape) != (T, E) or not _close(got.probs, expected.probs, 1e-6):
+            raise CheckFailed(f"{where}: probs differ from softmax(x @ weight.T) over the experts (dim=-1) by "
+                              f"{_max_diff(got.probs, expected.probs) if got.probs.shape == expected.probs.shape else 'shape'}"
+                              f"; expected shape {(T, E)}, got {tuple(got.probs.shape)}")
+        if tuple(got.experts.shape) != (T, k):
+            raise CheckFailed(f"{where}: experts should have shape [T, k] = {(T, k)}, got {tuple(got.experts.shape)}")
+        if not torch.equal(got.experts.long(), expected.experts):
+            same_sets = torch.equal(got.experts.long().sort(-1).values, expected.experts.sort(-1).values)
+            unbiased = expected.probs.topk(k, dim=-1).indices
+            if same_sets:
+                raise CheckFailed(f"{where}: the right experts in the wrong order: list each token's k experts "
+                                  f"best first (as torch.topk returns them), so gates[:, 0] is the top choice")
+            if with_bias and torch.equal(got.experts.long(), unbiased):
+                raise CheckFailed(f"{where}: the bias did not change the choice: select the top-k of probs + bias")
+            t = int((got.experts.long() != expected.experts).any(-1).nonzero()[0])
+            raise CheckFailed(f"{where}: token {t} went to experts {got.experts[t].tolist()}, expected "
+                              f"{expected.experts[t].tolist()} (the k largest {'probs + bias' if with_bias else 'probs'})")
+        if not _close(got.gates, expected.gates, 1e-6):
+            raw = expected.probs.gather(-1, expected.experts)
+            if k == 1 and torch.allclose(got.gates.detach(), torch.ones_like(raw)):
+                raise CheckFailed(f"{where}: with k=1 every gate came out 1.0: keep the raw probability (Switch). "
+                                  f"Renormalising a single gate gives 1 and the router gets no gradient")
+            if k > 1 and _close(got.gates, raw, 1e-6):
+                raise CheckFailed(f"{where}: gates are the raw probabilities: renormalise them over the k choices "
+                                  f"so they sum to 1 (Mixtral)")
+            if with_bias:
+                biased = (expected.probs + bias).gather(-1, expected.experts)
+                if k > 1:
+                    biased = biased / biased.sum(-1, keepdim=True)
+                if _close(got.gates, biased, 1e-6):
+                    raise CheckFailed(f"{where}: the bias leaked into the gates: use probs + bias only to choose "
+                                      f"experts, and gather the gates from probs")
+            raise CheckFailed(f"{where}: gates differ by up to {_max_diff(got.gates, expected.gates):.3g}")
+        if got.gates.grad_fn is None:
+            raise CheckFailed(f"{where}: the gates carry no gradient: gather them from probs (differentiable), "
+                              f"never from detached values, or the router never learns")
+        cotangent = torch.randn(T, k, generator=g)
+        (expected.gates * cotangent).sum().backward()
+        (got.gates * cotangent).sum().backward()
+        if w.grad is None or not _close(w.grad, w_ref.grad, 1e-5):
+            raise CheckFailed(f"{where}: the router weight's gradient through the gates differs by "
+                              f"{_max_diff(w.grad, w_ref.grad) if w.grad is not None else 'everything (None)'}")
+    E = 8
+    x, w = torch.randn(4, 6, generator=_generator(1)), torch.randn(E, 6, generator=_generator(2))
+    try:
+        route_fn(x, w, E + 1)
+    except ValueError:
+        pass
+    except NotImplementedError:
+        raise
+    except Exception as error:
+        raise CheckFailed(f"route(x, weight, k={E + 1}) with {E} experts raised {type(error).__name__}; raise a "
+                          f"ValueError naming k and the number of experts before routing") from None
+    else:
+        raise CheckFailed(f"route(x, weight, k={E + 1}) with {E} experts returned: k > experts must raise ValueError")
+    return f"{len(cases)} cases, k = 1 to {max(k for k, _ in cases)}, with and without a bias; k > E rejected"
+
+
+# ---------------------------------------------------------------- 8.2 capacity
+
+def _token_major_keep(experts: torch.Tensor, num_experts: int, capacity: int) -> torch.Tensor:
+    """The usual mistake: a token's second choice queued before the next token's first."""
+    flat = experts.reshape(-1)
+    one_hot = torch.nn.functional.one_hot(flat, num_experts)
+    position = (one_hot.cumsum(0) * one_hot).sum(-1) - 1
+    return (position < capacity).view_as(experts)
+
+
+def check_capacity(capacity_fn, assign_fn) -> str:
+    """8.2: ``expert_capacity(tokens, E, k, capacity_factor)`` and ``assign_capacity(experts, E, capacity)``."""
+    rng = random.Random(_SEED + 2)
+    formula_cases = [(64, 8, 2, 1.25), (10, 8, 1, 1.25), (4096, 64, 2, 1.25), (100, 6, 2, 1.0), (37, 5, 3, 1.5),
+                     (rng.randint(10, 500), rng.choice([4, 8, 16]), rng.randint(1, 4), rng.choice([1.0, 1.5, 2.0]))]
+    for tokens, E, k, cf in formula_cases:
+        expected = expert_capacity(tokens, E, k, cf)
+        got = capacity_fn(tokens, E, k, cf)
+        if isinstance(got, bool) or not isinstance(got, numbers.Integral) and not (
+                isinstance(got, float) and got.is_integer()):
+            raise CheckFailed(f"expert_capacity({tokens}, {E}, {k}, {cf}) should be a whole number of slots, "
+                              f"got {got!r}")
+        if int(got) != expected:
+            exact = cf * tokens * k / E
+            hint = ""
+            if int(got) == math.floor(exact):
+                hint = ": round up (ceil), or the last tokens of a balanced batch are dropped"
+            elif int(got) == math.ceil(cf * tokens / E):
+                hint = ": each token makes k assignments, multiply by k"
+            raise CheckFailed(f"expert_capacity(tokens={tokens}, num_experts={E}, k={k}, capacity_factor={cf}) = "
+                              f"{got}, expected ⌈{cf}·{tokens}·{k}/{E}⌉ = {expected}{hint}")
+    assign_cases = 0
+    for i in range(5):
+        T, E, k = rng.randint(20, 60), rng.choice([4, 6, 8]), rng.choice([1, 2, 2, 3])
+        x, w = skewed_tokens(T, rng.choice([8, 16]), E, skew=0.75, seed=_SEED + 20 + i)
+        experts = route(x, w, k).experts
+        capacity = expert_capacity(T, E, k, rng.choice([1.0, 1.25]))
+        expected = assign_capacity(experts, E, capacity)
+        got = assign_fn(experts.clone(), E, capacity)
+        where = f"T={T}, E={E}, k={k}, capacity={capacity} (skewed routing, {int((~expected).sum())} over capacity)"
+        if not isinstance(got, torch.Tensor) or tuple(got.shape) != (T, k):
+            raise CheckFailed(f"{where}: return a bool tensor of shape [T, k] = {(T, k)}, got "
+                              f"{tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__}")
+        got = got.bool()
+        if torch.equal(got, expected):
+            assign_cases += 1
+            continue
+        load = torch.bincount(experts[got], minlength=E)
+        if (load > capacity).any():
+            e = int((load > capacity).nonzero()[0])
+            raise CheckFailed(f"{where}: expert {e} keeps {int(load[e])} assignments, more than its capacity")
+        if k > 1 and torch.equal(got, _token_major_keep(experts, E, capacity)):
+            raise CheckFailed(f"{where}: slots went in token order over all choices, so a token's second choice took "
+                              f"a slot another token's first choice needed: hand out all first choices (token "
+                              f"order), then all second choices, …")
+        t, c = (got != expected).nonzero()[0].tolist()
+        raise CheckFailed(f"{where}: token {t}'s choice {c} (expert {int(experts[t, c])}) should be "
+                          f"{'kept' if expected[t, c] else 'dropped'}: priority is choice first, then token order")
+    experts = torch.zeros(12, 2, dtype=torch.long)
+    experts[:, 1] = 1
+    got = assign_fn(experts, 4, None)
+    if not isinstance(got, torch.Tensor) or not bool(got.bool().all()):
+        raise CheckFailed("assign_capacity(..., capacity=None) must keep every assignment (no limit)")
+    return (f"{len(formula_cases)} capacities, {assign_cases} skewed routings with drops: the same assignments kept, "
+            f"first choices before second choices")
+
+
+# ---------------------------------------------------------------- 8.3 losses
+
+def _ratio(got: torch.Tensor, expected: torch.Tensor) -> float | None:
+    return float(got.detach()) / float(expected.detach()) if float(expected.detach()) != 0 else None
+
+
+def check_balancing_losses(balance_fn, z_loss_fn) -> str:
+    """8.3: ``load_balancing_loss(probs, experts, E)`` and ``router_z_loss(logits)``."""
+    rng = random.Random(_SEED + 3)
+    for i in range(4):
+        T, E, k = rng.randint(16, 64), rng.choice([4, 8, 16]), rng.choice([1, 2, 3])
+        g = _generator(_SEED + 30 + i)
+        logits_ref = (torch.randn(T, E, generator=g) * 2).requires_grad_(True)
+        logits = logits_ref.detach().clone().requires_grad_(True)
+        experts = logits_ref.detach().topk(k, dim=-1).indices
+        where = f"T={T}, E={E}, k={k}"
+        expected = load_balancing_loss(torch.softmax(logits_ref, -1), experts, E)
+        got = balance_fn(torch.softmax(logits, -1), experts, E)
+        if not isinstance(got, torch.Tensor) or got.numel() != 1:
+            raise CheckFailed(f"{where}: load_balancing_loss should return a scalar tensor, got {got!r}")
+        if not math.isclose(float(got.detach()), float(expected.detach()), rel_tol=1e-5):
+            ratio = _ratio(got, expected)
+            hints = {k: "f_i is the share of all T·k choices: divide the counts by T·k, not by T",
+                     1 / E: "multiply by the number of experts E (so a balanced router scores 1)",
+                     E: "multiply by E once, not twice"}
+            hint = next((h for r, h in hints.items() if ratio is not None and math.isclose(ratio, r, rel_tol=1e-4)
+                         and r != 1), "E · Σ_i f_i · P_i, f_i = share of choices, P_i = mean probability")
+            raise CheckFailed(f"{where}: load_balancing_loss = {float(got.detach()):.6g}, expected "
+                              f"{float(expected.detach()):.6g}: {hint}")
+        expected.backward()
+        if got.grad_fn is None:
+            raise CheckFailed(f"{where}: the loss has no gradient: P_i, the mean router probability, must stay "
+                              f"differentiable")
+        got.backward()
+        if logits.grad is None or not _close(logits.grad, logits_ref.grad, 1e-6):
+            raise CheckFailed(f"{where}: right value, wrong gradient: f_i are counts (no gradient); the gradient "
+                              f"flows only through P_i = probs.mean(0)")
+        z_ref = router_z_loss(logits_ref.detach().requires_grad_(True))
+        z_in = logits_ref.detach().clone().requires_grad_(True)
+        z = z_loss_fn(z_in)
+        if (not isinstance(z, torch.Tensor) or z.numel() != 1
+                or not math.isclose(float(z.detach()), float(z_ref.detach()), rel_tol=1e-5)):
+            ratio = _ratio(z, z_ref) if isinstance(z, torch.Tensor) and z.numel() == 1 else None
+            hint = ("mean over tokens, not the sum" if ratio is not None and math.isclose(ratio, T, rel_tol=1e-4)
+                    else "the mean over tokens of logsumexp(logits, dim=-1) squared")
+            shown = f"{float(z.detach()):.6g}" if isinstance(z, torch.Tensor) and z.numel() == 1 else repr(z)
+            raise CheckFailed(f"{where}: router_z_loss = {shown}, expected {float(z_ref.detach()):.6g}: {hint}")
+        z.backward()
+        if z_in.grad is None:
+            raise CheckFailed(f"{where}: router_z_loss has no gradient with respect to the logits")
+    balanced = torch.full((8, 4), 0.25)
+    balanced_experts = torch.arange(8).remainder(4).unsqueeze(1)
+    collapsed = torch.zeros(8, 4)
+    collapsed[:, 0] = 1
+    for probs, experts, expected, what in ((balanced, balanced_experts, 1.0, "perfectly balanced"),
+                                           (collapsed, torch.zeros(8, 1, dtype=torch.long), 4.0, "collapsed")):
+        value = float(balance_fn(probs, experts, 4).detach())
+        if not math.isclose(value, expected, rel_tol=1e-6):
+            raise CheckFailed(f"a {what} router over 4 experts should score {expected:g}, got {value:.6g}")
+    return "4 random routers (value and gradient), balanced = 1, collapsed = E; z-loss value and gradient"
+
+
+# ---------------------------------------------------------------- 8.4 bias
+
+def _simulate_bias(update_fn, steps: int = 150) -> tuple[float, float]:
+    """Route the same skewed tokens again and again, nudging the bias: (imbalance before, after)."""
+    x, w = skewed_tokens(256, 16, 8, skew=0.75, seed=_SEED + 40)
+    bias = torch.zeros(8)
+    first = None
+    for _ in range(steps):
+        load = torch.bincount(route(x, w, 2, bias).experts.reshape(-1), minlength=8)
+        first = imbalance(load) if first is None else first
+        bias = update_fn(bias.clone(), load.clone(), 2e-3)
+    return first, imbalance(torch.bincount(route(x, w, 2, bias).experts.reshape(-1), minlength=8))
+
+
+def check_bias_update(update_fn) -> str:
+    """8.4: ``update_expert_bias(bias, load, rate)`` → the new bias."""
+    rng = random.Random(_SEED + 4)
+    for i in range(4):
+        E = rng.choice([4, 8, 16])
+        g = _generator(_SEED + 50 + i)
+        bias = torch.randn(E, generator=g) * 0.01
+        load = torch.randint(0, 40, (E,), generator=g)
+        load[1] += (E - 1 - int(load[1:].sum()) % (E - 1)) % (E - 1)
+        load[0] = int(load[1:].sum()) // (E - 1)  # exactly the mean load: sign 0, no step
+        rate = rng.choice([1e-3, 2e-3, 1e-2])
+        expected = update_expert_bias(bias, load, rate)
+        got = update_fn(bias.clone(), load.clone(), rate)
+        if not isinstance(got, torch.Tensor) or got.shape != bias.shape:
+            raise CheckFailed(f"return the new bias, a tensor of shape [{E}], got {got!r}")
+        if _close(got, expected, 1e-7):
+            continue
+        mean = load.float().mean()
+        where = f"E={E}, loads {load.tolist()} (mean {float(mean):g}), rate={rate}"
+        if _close(got, bias - rate * torch.sign(mean - load.float()), 1e-7):
+            raise CheckFailed(f"{where}: the step has the wrong sign: an overloaded expert (load > mean) must get a "
+                              f"*lower* bias, so fewer tokens choose it")
+        if _close(got, bias + rate * (mean - load.float()), 1e-7):
+            raise CheckFailed(f"{where}: the step is proportional to the error; DeepSeek-V3 moves every bias by a "
+                              f"fixed rate in the direction of sign(mean load - load)")
+        e = int((got - expected).abs().argmax())
+        raise CheckFailed(f"{where}: expert {e} (load {int(load[e])}) got bias {float(got[e]):.6g}, expected "
+                          f"{float(expected[e]):.6g}")
+    before, after = _simulate_bias(update_fn)
+    if not after < min(1.2, before):
+        raise CheckFailed(f"routing the same skewed tokens 150 times with your update left the busiest expert at "
+                          f"{after:.2f}x the mean load (it started at {before:.2f}x): the bias should even it out")
+    return f"4 updates exact; 150 simulated steps bring the busiest expert from {before:.2f}x to {after:.2f}x the mean"
+
+
+# ---------------------------------------------------------------- 8.5 the layer on one device
+
+def _layer_case(i: int, T: int, d: int, E: int, shared: bool):
+    x, w = skewed_tokens(T, d, E, skew=0.5, seed=_SEED + 60 + i)
+    experts = make_experts(d, 2, range(E), seed=_SEED + i, std=0.3)
+    shared_expert = make_experts(d, 2, [-1], seed=_SEED + i, std=0.3)[0] if shared else None
+    return x, w, experts, shared_expert
+
+
+def _grads(*modules_or_tensors) -> list[torch.Tensor]:
+    out = []
+    for item in modules_or_tensors:
+        if item is None:
+            continue
+        tensors = list(item.parameters()) if isinstance(item, torch.nn.Module) else [item]
+        out += [t.grad if t.grad is not None else torch.zeros_like(t) for t in tensors]
+    return out
+
+
+def check_moe_layer(moe_fn) -> str:
+    """8.5: ``moe_layer(x, router_weight, experts, k, capacity_factor=None, shared=None)`` → [T, d]."""
+    cases = [(24, 8, 4, 1, None, False), (40, 12, 6, 2, 1.0, True), (48, 16, 8, 2, 1.25, False),
+             (30, 8, 6, 3, None, True)]
+    for i, (T, d, E, k, cf, shared) in enumerate(cases):
+        x, w, experts, shared_expert = _layer_case(i, T, d, E, shared)
+        where = (f"T={T}, d={d}, E={E}, k={k}, capacity_factor={cf}" + (", shared expert" if shared else ""))
+        x_ref, w_ref = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        ref_experts, ref_shared = _layer_case(i, T, d, E, shared)[2:]
+        expected, result = moe_forward(x_ref, w_ref, ref_experts, k, cf, ref_shared)
+        x_in, w_in = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+        got = moe_fn(x_in, w_in, experts, k, cf, shared_expert)
+        if not isinstance(got, torch.Tensor) or tuple(got.shape) != (T, d):
+            raise CheckFailed(f"{where}: return the layer output, shape [T, d] = {(T, d)}, got "
+                              f"{tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__}")
+        if not _close(got, expected):
+            raise CheckFailed(f"{where}: {_diagnose_layer(got, expected, x, w, k, cf, shared, i, result)}")
+        cotangent = torch.randn(T, d, generator=_generator(_SEED + 70 + i))
+        (expected * cotangent).sum().backward()
+        (got * cotangent).sum().backward()
+        names = ["x", "router weight"] + [f"experts.{name}" for name, _ in experts.named_parameters()]
+        names += [f"shared.{name}" for name, _ in shared_expert.named_parameters()] if shared else []
+        for name, a, b in zip(names, _grads(x_in, w_in, experts, shared_expert), _grads(x_ref, w_ref, ref_experts,
+                                                                                      ref_shared)):
+            if not _close(a, b):
+                raise CheckFailed(f"{where}: the gradient of {name} differs by up to {_max_diff(a, b):.3g}: the "
+                                  f"output matches, so something is detached (the gates? the expert outputs?)")
+    return f"{len(cases)} cases: k = 1-3, capacity limits with drops, shared expert; output and every gradient"
+
+
+def _diagnose_layer(got, expected, x, w, k, cf, shared, i, result) -> str:
+    _, _, experts, shared_expert = _layer_case(i, *x.shape, w.shape[0], shared)
+    with torch.no_grad():
+        variants = {"no capacity limit": moe_forward(x, w, experts, k, None, shared_expert)[0],
+                    "no shared expert": moe_forward(x, w, experts, k, cf, None)[0]}
+    got = got.detach()
+    if cf is not None and _close(got, variants["no capacity limit"]):
+        return (f"every assignment was computed, but capacity is {result.capacity} per expert and "
+                f"{result.dropped} assignments are over it: drop them (their tokens keep only the residual)")
+    if shared and _close(got, variants["no shared expert"]):
+        return "the output lacks the shared expert: add shared(x) for every token"
+    rows = (got - expected).abs().amax(-1)
+    t = int(rows.argmax())
+    dropped = (~result.keep[t]).any().item()
+    return (f"token {t} (experts {result.routing.experts[t].tolist()}, gates "
+            f"{[round(v, 3) for v in result.routing.gates[t].tolist()]}"
+            f"{', some choices over capacity' if dropped else ''}) differs by {float(rows[t]):.3g}: its output is "
+            f"Σ gate · expert(x) over its kept choices" + (" + shared(x)" if shared else ""))
+
+
+# ---------------------------------------------------------------- 8.6 expert parallelism on ranks
+
+@dataclass
+class EPCase:
+    world_size: int
+    num_experts: int
+    k: int
+    tokens: list[int]  # tokens on each rank
+    d_model: int = 12
+    capacity_factor: float | None = None
+    all_to_one: bool = False  # every token prefers expert 0: ranks 1.. receive nothing
+    seed: int = 0
+
+    def __str__(self) -> str:
+        bits = [f"world_size={self.world_size}", f"E={self.num_experts}", f"k={self.k}",
+                f"tokens per rank {self.tokens}"]
+        if self.capacity_factor is not None:
+            bits.append(f"capacity_factor={self.capacity_factor}")
+        if self.all_to_one:
+            bits.append("every token routed to expert 0")
+        return ", ".join(bits)
+
+    def inputs(self, rank: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(x, router weight, output cotangent) of ``rank``; the same on every process."""
+        x, w = skewed_tokens(self.tokens[rank], self.d_model, self.num_experts, skew=0.25, seed=self.seed, rank=rank)
+        if self.all_to_one:
+            x, w[0] = x.abs(), 5.0 / math.sqrt(self.d_model)  # positive features: expert 0 is everyone's choice
+        cotangent = torch.randn(x.shape, generator=_generator(_SEED + 100 * self.seed + rank))
+        return x, w, cotangent
+
+    def experts(self, ids) -> torch.nn.ModuleList:
+        return make_experts(self.d_model, 2, ids, seed=self.seed, std=0.3)
+
+
+def _ep_worker(ep_fn, case: EPCase) -> dict:
+    rank, world = dist.get_rank(), dist.get_world_size()
+    x, w, cotangent = case.inputs(rank)
+    x, w = x.requires_grad_(True), w.requires_grad_(True)
+    ids = local_expert_ids(case.num_experts, rank, world)
+    local = case.experts(ids)
+    routing = route(x, w, case.k)
+    capacity = None if case.capacity_factor is None else expert_capacity(x.shape[0], case.num_experts, case.k,
+                                                                         case.capacity_factor)
+    keep = assign_capacity(routing.experts, case.num_experts, capacity)
+    y = ep_fn(x, routing, keep, local)
+    if not isinstance(y, torch.Tensor) or y.shape != x.shape:
+        raise TypeError(f"expert_parallel returned {tuple(y.shape) if isinstance(y, torch.Tensor) else type(y)}, "
+                        f"expected a tensor shaped like x, {tuple(x.shape)}")
+    (y * cotangent).sum().backward()
+    return {"y": y.detach(), "x_grad": x.grad, "w_grad": w.grad,
+            "expert_grads": {i: [p.grad for p in local[j].parameters()] for j, i in enumerate(ids)},
+            "kept_per_expert": torch.bincount(routing.experts[keep], minlength=case.num_experts)}
+
+
+def _reference(case: EPCase) -> tuple[list[dict], torch.Tensor, torch.nn.ModuleList]:
+    experts = case.experts(range(case.num_experts))
+    w = case.inputs(0)[1].clone().requires_grad_(True)
+    out = []
+    for r in range(case.world_size):
+        x, _, cotangent = case.inputs(r)
+        x = x.clone().requires_grad_(True)
+        y, result = moe_forward(x, w, experts, case.k, case.capacity_factor)
+        (y * cotangent).sum().backward()
+        out.append({"y": y.detach(), "x_grad": x.grad, "result": result})
+    return out, w.grad, experts
+
+
+def _launch_ep(ep_fn, case: EPCase):
+    import distlab
+    from distlab.launcher import CollectiveTimeout
+
+    try:
+        return distlab.launch(_ep_worker, case.world_size, args=(ep_fn, case), warm=True, show_output=False,
+                              backend="gloo", timeout=JOB_TIMEOUT)
+    except CollectiveTimeout as error:
+        raise CheckFailed(
+            f"{case}: the ranks deadlocked ({str(error).splitlines()[0]}). Every rank must make the same "
+            f"all-to-all calls in the same order — also a rank with no token to send or receive") from None
+
+
+def _compare_ep(run, case: EPCase) -> None:
+    reference, w_grad, experts = _reference(case)
+    for rank, (got, ref) in enumerate(zip(run, reference)):
+        if not _close(got["y"], ref["y"]):
+            rows = (got["y"] - ref["y"]).abs().amax(-1)
+            t = int(rows.argmax())
+            chosen = ref["result"].routing.experts[t].tolist()
+            owners = [e // (case.num_experts // case.world_size) for e in chosen]
+            remote = any(o != rank for o in owners)
+            hint = (" — it went to experts on other ranks: check the dispatch order (sorted by expert, so by "
+                    "destination rank) and that the combine uses the dispatch's splits swapped" if remote else
+                    ": its experts live on this rank, so check the regrouping by local expert and the gates")
+            raise CheckFailed(f"{case}: rank {rank}'s output for token {t} (experts {chosen}, on ranks {owners}) "
+                              f"differs from the single-device layer by {float(rows[t]):.3g}{hint}")
+        if got["x_grad"] is None or not _close(got["x_grad"], ref["x_grad"]):
+            raise CheckFailed(f"{case}: rank {rank}'s gradient of x differs from the single-device layer by "
+                              f"{_max_diff(got['x_grad'], ref['x_grad']) if got['x_grad'] is not None else 'all'}: "
+                              f"send the tokens with distlab.moe.all_to_all (differentiable) so gradients travel "
+                              f"back to the rank each token came from")
+    router_grad = sum(r["w_grad"] for r in run)
+    if not _close(router_grad, w_grad):
+        raise CheckFailed(f"{case}: the router's gradient (summed over ranks) differs by "
+                          f"{_max_diff(router_grad, w_grad):.3g}: keep the gates in the autograd graph")
+    for rank, got in enumerate(run):
+        for i, grads in got["expert_grads"].items():
+            for (name, p), g in zip(experts[i].named_parameters(), grads):
+                if g is None or not _close(g, p.grad):
+                    raise CheckFailed(
+                        f"{case}: expert {i}'s {name} gradient on rank {rank} (its owner) differs from the single-"
+                        f"device layer by {_max_diff(g, p.grad) if g is not None else 'all (None)'}: it must "
+                        f"collect the gradients of every rank's tokens, which come back through the combine's "
+                        f"backward all-to-all")
+
+
+def _check_traffic(run, case: EPCase) -> None:
+    """Each kept (token, expert) pair crosses once each way: dispatch and combine, forward and backward."""
+    per_rank = case.num_experts // case.world_size
+    arriving = sum(r["kept_per_expert"] for r in run).view(case.world_size, per_rank).sum(1)
+    for rank, (log, got) in enumerate(zip(run.comm, run)):
+        kept, received = int(got["kept_per_expert"].sum()), int(arriving[rank])
+        expected = 2 * (kept + received) * case.d_model * 4
+        a2a = log.ops.get("all_to_all_single")
+        payload = a2a.payload_bytes if a2a else 0
+        if not expected <= payload <= expected + _SMALL:
+            raise CheckFailed(
+                f"{case}: rank {rank} moved {payload:,} bytes through all_to_all_single (forward and backward); "
+                f"its {kept} kept assignments out, the {received} that arrive for its experts back, both ways, "
+                f"are {expected:,} bytes: send each kept (token, expert) pair once, only to the expert's rank")
+        for op, stats in log.ops.items():
+            if op not in ("all_to_all_single", "barrier") and stats.payload_bytes > _SMALL:
+                raise CheckFailed(f"{case}: rank {rank} moved {stats.payload_bytes:,} bytes with {op}: tokens travel "
+                                  f"by all-to-all only (expert parallelism never gathers every token everywhere)")
+
+
+def check_expert_parallel(ep_fn) -> str:
+    """8.6: ``expert_parallel(x, routing, keep, local_experts)`` on real ranks → this rank's routed output."""
+    cases = [EPCase(2, 4, 2, [20, 13], seed=_SEED + 81),
+             EPCase(4, 8, 2, [18, 24, 9, 30], capacity_factor=1.0, seed=_SEED + 82),
+             EPCase(4, 4, 1, [16, 12, 20, 8], all_to_one=True, seed=_SEED + 83),
+             EPCase(4, 8, 3, [14, 1, 22, 17], capacity_factor=1.25, seed=_SEED + 84)]
+    for case in cases:
+        run = _launch_ep(ep_fn, case)
+        _compare_ep(run, case)
+        _check_traffic(run, case)
+    return (f"{len(cases)} cases on 2/4 ranks (uneven tokens, capacity drops, a rank that receives nothing): "
+            f"outputs and gradients equal the single-device layer, each token sent once")
+
+
+# ---------------------------------------------------------------- quiz
+
+_DSV3_DISPATCH_MB = all_to_all_bytes(4096, DEEPSEEK_V3.k, DEEPSEEK_V3.d_model, 64)["payload_per_all_to_all"] / 1e6
+
+EXERCISES = [
+    Exercise("8.1", "router: softmax, top-k, gates", 2, check_router),
+    Exercise("8.2", "expert capacity and dropped tokens", 2, check_capacity),
+    Exercise("8.3", "Switch load-balancing loss and router z-loss", 2, check_balancing_losses),
+    Exercise("8.4", "auxiliary-loss-free bias balancing", 2, check_bias_update),
+    Exercise("8.5", "one-device MoE layer with a shared expert", 3, check_moe_layer),
+    Exercise("8.6", "expert parallelism with all-to-all", 4, check_expert_parallel),
+    quiz.number("Q8.1", "capacity of one expert", answer=expert_capacity(4096, 64, 2, 1.25), rel_tol=0, abs_tol=0.01,
+                hint="see 'Capacity and dropped tokens': ⌈capacity_factor · tokens · k / E⌉"),
+    quiz.number("Q8.2", "Switch loss of a collapsed router", answer=16.0, rel_tol=0, abs_tol=0.01,
+                hint="see 'Balancing the load': E · Σ f_i · P_i with f and P all on one expert"),
+    quiz.choice("Q8.3", "what the bias of an overloaded expert does", answer="b", options="abcd",
+                hint="see 'Auxiliary-loss-free balancing': the bias steers selection toward underloaded experts"),
+    quiz.number("Q8.4", "DeepSeek-V3 dispatch MB per GPU", answer=_DSV3_DISPATCH_MB, rel_tol=0.02,
+                hint="see 'DeepSeek-V3 at scale': tokens · k · d_model · bytes per value"),
+    quiz.choice("Q8.5", "why MoE routing is expensive at scale", answer="c", options="abcd",
+                hint="see 'All-to-all bytes per layer' and 'DeepSeek-V3 at scale': what grows with k·d per token"),
+    quiz.number("Q8.6", "experts per GPU, DeepSeek-V3 at EP = 64", answer=4.0, rel_tol=0, abs_tol=0.01,
+                hint="see 'Edge cases': E / EP, which must divide evenly"),
+]

@@ -1,0 +1,506 @@
+"""Lab 09 — mixed precision and FP8. Checkers compare the student's code with PyTorch and :mod:`distlab.fp8`.
+
+* 9.1 encode/decode: all 256 codes of E4M3 and E5M2 against PyTorch's float8 dtypes, plus
+  random values, exact ties, subnormals, underflow, overflow, ±inf and NaN.
+* 9.2 loss scaler: a tiny model trained side by side with ``torch.amp.GradScaler`` on
+  gradient streams with injected inf/NaN; scale, skipped steps and weights must agree.
+* 9.3 scaling: block scales and FP8 values against :func:`distlab.fp8.quantize` for
+  per-tensor, per-row, 1×128 and 128×128 blocks, and delayed scaling over a stream with spikes.
+* 9.4 FP8 matmul: the emulated path against the dequantised product, the native path must
+  call ``aten._scaled_mm`` (seen by a dispatch mode) and agree with it, the automatic choice
+  must follow the device and the multiple-of-16 rule.
+* 9.5 ``Float8Linear``: forward, input and weight gradients against the reference
+  :class:`distlab.fp8.Float8Linear` on the same weights; a wrong format or a missing
+  quantisation is recognised by recomputing those variants; then a GPT trained with it.
+
+Cases come from fixed-seed generators (reproducible notebook output) over shapes, scales
+and hyperparameters a student cannot special-case. An untouched stub's
+``NotImplementedError`` propagates and is reported as "not attempted".
+"""
+
+from __future__ import annotations
+
+import math
+import random
+
+import torch
+import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+
+from distlab.fp8.formats import FORMATS, Format, bit_fields as bits, decode, encode
+from distlab.fp8.linear import Float8Linear
+from distlab.fp8.matmul import MULTIPLE, emulated_scaled_mm, scaled_mm_support
+from distlab.fp8.scaling import DelayedScaling, dequantize, expand_scale, quantize
+from distlab.fp8.training import final_loss, train_recipe
+from distlab.flops import PEAK_FLOPS
+from distlab.grading import CheckFailed
+from distlab.grading.quiz import choice, number
+from distlab.grading.registry import Exercise
+
+__all__ = ["EXERCISES", "check_codes", "check_loss_scaler", "check_scaling", "check_fp8_matmul",
+           "check_float8_linear"]
+
+_SEED = 9_2024
+
+
+# ---------------------------------------------------------------- 9.1
+
+
+def _same(a: float, b: float) -> bool:
+    if math.isnan(a) or math.isnan(b):
+        return math.isnan(a) and math.isnan(b)
+    return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
+
+
+def _decode_hint(code: int, fmt: Format, expected: float) -> str:
+    exponent = (code >> fmt.mantissa_bits) & ((1 << fmt.exponent_bits) - 1)
+    if math.isnan(expected):
+        return ("E4M3 has no infinities: only S.1111.111 is NaN" if not fmt.ieee_specials
+                else "E5M2 follows IEEE: exponent all ones with a non-zero mantissa is NaN")
+    if math.isinf(expected):
+        return "exponent all ones with mantissa 0 is ±inf in E5M2"
+    if exponent == 0:
+        return f"exponent 0 is subnormal: 0.m × 2^(1-{fmt.bias}), no implicit leading 1"
+    if exponent == (1 << fmt.exponent_bits) - 1 and not fmt.ieee_specials:
+        return "in E4M3 (fn) exponent 1111 holds ordinary numbers up to 448; only S.1111.111 is NaN"
+    return f"a normal number is (-1)^s · 1.m · 2^(e - {fmt.bias})"
+
+
+def _value_cases(fmt: Format, rng: random.Random) -> list[tuple[float, str]]:
+    finite = sorted({decode(c, fmt) for c in range(256) if math.isfinite(decode(c, fmt))})
+    cases = [((a + b) / 2, "an exact tie between two codes") for a, b in zip(finite, finite[1:]) if a >= 0]
+    exponents = [rng.uniform(-fmt.bias - fmt.mantissa_bits - 2, math.log2(fmt.max)) for _ in range(400)]
+    # float32 values, which PyTorch casts to FP8 in one rounding (a float64 could be rounded twice)
+    randoms = torch.tensor([rng.uniform(-1, 1) * 2.0**e for e in exponents], dtype=torch.float32)
+    cases += [(value, "a random value") for value in randoms.tolist()]
+    cases += [(fmt.min_subnormal / 2, "half the smallest subnormal (a tie with 0)"),
+              (fmt.min_subnormal * 0.51, "just above half the smallest subnormal"),
+              (fmt.min_subnormal / 3, "a value below half the smallest subnormal"),
+              (-0.0, "-0.0"), (fmt.max * 1.03, "just above max"), (fmt.max * 1.5, "above max"), (1e30, "1e30"),
+              (-1e30, "-1e30"), (math.inf, "+inf"), (-math.inf, "-inf")]
+    return cases
+
+
+def check_codes(decode_fn, encode_fn) -> str:
+    """9.1: ``decode_fn(code, fmt) -> float`` and ``encode_fn(value, fmt) -> int`` for E4M3 and E5M2."""
+    rng = random.Random(_SEED + 1)
+    checked = 0
+    for fmt in (FORMATS["e4m3"], FORMATS["e5m2"]):
+        torch_values = torch.arange(256, dtype=torch.uint8).view(fmt.dtype).float().tolist()
+        for code, expected in enumerate(torch_values):
+            got = decode_fn(code, fmt)
+            if not isinstance(got, (int, float)) or not _same(float(got), expected):
+                raise CheckFailed(f"{fmt.name.upper()} decode({bits(code, fmt)}) returned {got!r}; PyTorch's "
+                                  f"{fmt.dtype} says {expected!r}: {_decode_hint(code, fmt, expected)}")
+        for code, value in enumerate(torch_values):
+            if math.isnan(value):
+                continue
+            got = encode_fn(value, fmt)
+            if got != code:
+                raise CheckFailed(f"{fmt.name.upper()} encode({value!r}) returned {_code(got, fmt)}; expected "
+                                  f"{bits(code, fmt)}, the code whose value it is")
+        cases = _value_cases(fmt, rng)
+        for value, what in cases:
+            expected = encode(value, fmt)
+            in_range = abs(value) <= fmt.max
+            if in_range:  # where conventions cannot differ, PyTorch itself is the reference
+                expected = torch.tensor([value], dtype=torch.float32).to(fmt.dtype).view(torch.uint8).item()
+            got = encode_fn(value, fmt)
+            if got != expected:
+                raise CheckFailed(f"{fmt.name.upper()} encode({value!r}), {what}, returned {_code(got, fmt)}; expected "
+                                  f"{bits(expected, fmt)} = {decode(expected, fmt)!r}: "
+                                  f"{_encode_hint(value, fmt, got, expected)}")
+        got = encode_fn(math.nan, fmt)
+        if not isinstance(got, int) or not 0 <= got < 256 or not math.isnan(decode(got, fmt)):
+            raise CheckFailed(f"{fmt.name.upper()} encode(nan) returned {_code(got, fmt)}, which is not a NaN code")
+        checked += len(cases)
+    return (f"all 256 codes of E4M3 and E5M2 equal PyTorch's float8 dtypes; {checked} more values encoded: "
+            f"ties to even, subnormals, overflow, ±inf, NaN")
+
+
+def _code(got, fmt: Format) -> str:
+    return bits(got, fmt) if isinstance(got, int) and 0 <= got < 256 else repr(got)
+
+
+def _encode_hint(value: float, fmt: Format, got, expected: int) -> str:
+    if math.isinf(value) or abs(value) > fmt.max:
+        if not fmt.ieee_specials:
+            return "E4M3 has no inf: values beyond ±448 saturate to ±448"
+        if math.isinf(decode(expected, fmt)):
+            return "E5M2 overflows to ±inf (exponent 11111, mantissa 00), as IEEE does"
+        return "a value less than half a step above max rounds down to max"
+    if isinstance(got, int) and 0 <= got < 256 and abs(got - expected) == 1 and value != 0:
+        return "round to nearest, and on an exact tie to the code with an even (0) last mantissa bit"
+    if abs(value) < fmt.min_normal:
+        return (f"below 2^{1 - fmt.bias} values are subnormal: exponent field 0, "
+                f"mantissa = value / 2^{1 - fmt.bias - fmt.mantissa_bits}")
+    return "sign, biased exponent and rounded mantissa"
+
+
+# ---------------------------------------------------------------- 9.2
+
+
+def _scaler_case(rng: random.Random) -> dict:
+    steps = rng.randint(10, 14)
+    bad = set(rng.sample(range(2, steps), 3))
+    return dict(init_scale=2.0 ** rng.randint(4, 12), growth_factor=rng.choice([2.0, 4.0]),
+                backoff_factor=rng.choice([0.5, 0.25]), growth_interval=rng.randint(2, 4), steps=steps, bad=bad,
+                poison=[rng.choice([math.inf, -math.inf, math.nan]) for _ in range(steps)], seed=rng.randrange(1000))
+
+
+def _scaler_run(scaler, case: dict) -> list[dict]:
+    torch.manual_seed(case["seed"])
+    model = nn.Sequential(nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 1))
+    optimizer = torch.optim.SGD(model.parameters(), lr=0.1)
+    generator = torch.Generator().manual_seed(case["seed"])
+    trace = []
+    for step in range(case["steps"]):
+        x = torch.randn(16, 8, generator=generator)
+        optimizer.zero_grad(set_to_none=True)
+        loss = model(x).pow(2).mean()
+        scale_before = float(scaler.get_scale())
+        scaler.scale(loss).backward()
+        if step in case["bad"]:  # an overflow somewhere in backward
+            model[0].weight.grad[0, 0] = case["poison"][step]
+        before = [p.detach().clone() for p in model.parameters()]
+        scaler.step(optimizer)
+        scaler.update()
+        moved = any(not torch.equal(b, p) for b, p in zip(before, model.parameters()))
+        trace.append({"scale": scale_before, "stepped": moved, "after": float(scaler.get_scale()),
+                      "params": [p.detach().clone() for p in model.parameters()], "bad": step in case["bad"]})
+    return trace
+
+
+def check_loss_scaler(scaler_class) -> str:
+    """9.2: a class with ``scale``, ``step``, ``update``, ``get_scale`` that behaves like ``torch.amp.GradScaler``."""
+    rng = random.Random(_SEED + 2)
+    cases = [_scaler_case(rng) for _ in range(4)]
+    for case in cases:
+        knobs = {k: case[k] for k in ("init_scale", "growth_factor", "backoff_factor", "growth_interval")}
+        where = ", ".join(f"{k}={v:g}" for k, v in knobs.items())
+        ours = _scaler_run(scaler_class(**knobs), case)
+        ref = _scaler_run(torch.amp.GradScaler("cpu", **knobs), case)
+        for step, (got, want) in enumerate(zip(ours, ref)):
+            kind = "with an inf/NaN gradient" if want["bad"] else "with finite gradients"
+            if got["stepped"] != want["stepped"]:
+                raise CheckFailed(f"{where}: step {step} ({kind}) " + (
+                    "updated the weights: skip optimizer.step() when any gradient is inf or NaN" if got["stepped"]
+                    else "did not update the weights: step the optimizer when every gradient is finite"))
+            if got["after"] != want["after"]:
+                raise CheckFailed(f"{where}: after step {step} ({kind}) the scale is {got['after']:g}, GradScaler's is "
+                                  f"{want['after']:g}: " + (
+                                      f"multiply it by backoff_factor after an overflow and restart the count"
+                                      if want["bad"] else
+                                      f"grow it by growth_factor only after growth_interval consecutive clean steps, "
+                                      f"then restart the count"))
+            diff = max(float((a - b).abs().max()) for a, b in zip(got["params"], want["params"]))
+            if diff > 1e-6:
+                factor = _update_ratio(ours, ref, step)
+                hint = (f"the update is {factor:.4g}× GradScaler's: unscale the gradients (multiply by 1/scale) "
+                        f"before optimizer.step()" if factor else "unscale each gradient by 1/scale in place")
+                raise CheckFailed(f"{where}: after step {step} the weights differ from GradScaler's by {diff:.3g}: "
+                                  f"{hint}")
+    return (f"{len(cases)} runs against torch.amp.GradScaler with random scales, factors and intervals: same scale, "
+            f"same skipped steps, same weights")
+
+
+def _update_ratio(ours, ref, step) -> float | None:
+    prev_ours = ours[step - 1]["params"] if step else None
+    prev_ref = ref[step - 1]["params"] if step else None
+    if prev_ours is None:
+        return None
+    d_ours = torch.cat([(a - b).flatten() for a, b in zip(ours[step]["params"], prev_ours)]).double()
+    d_ref = torch.cat([(a - b).flatten() for a, b in zip(ref[step]["params"], prev_ref)]).double()
+    if float(d_ref.norm()) == 0:
+        return None
+    return float(d_ours @ d_ref / (d_ref @ d_ref))
+
+
+# ---------------------------------------------------------------- 9.3
+
+
+def _outlier_tensor(rows: int, cols: int, generator: torch.Generator) -> torch.Tensor:
+    x = torch.randn(rows, cols, generator=generator)
+    x[:, torch.randint(cols, (2,), generator=generator)] *= 50.0  # outlier channels
+    x[torch.randint(rows, (1,), generator=generator)] *= 20.0  # an outlier token
+    return x
+
+
+def check_scaling(quantize_fn, delayed_class) -> str:
+    """9.3: ``quantize_fn(x, fmt, block) -> (q, scale)`` and a delayed-scaling class with ``quantize(x)``."""
+    rng = random.Random(_SEED + 3)
+    generator = torch.Generator().manual_seed(_SEED + 3)
+    count = 0
+    for _ in range(3):
+        rows, cols = 128 * rng.randint(1, 2), 128 * rng.randint(1, 3)
+        x = _outlier_tensor(rows, cols, generator)
+        x[:1, :128] = 0.0  # an all-zero tile: its scale must not be 0 or NaN
+        for block, name in ((None, "per-tensor"), ((1, cols), "per-row"), ((1, 128), "1×128 tiles"),
+                            ((128, 128), "128×128 blocks")):
+            for fmt in (FORMATS["e4m3"], FORMATS["e5m2"]):
+                _compare_quantized(quantize_fn(x, fmt, block), quantize(x, fmt, block), x, fmt,
+                                   f"{name} {fmt.name.upper()} of a {rows}×{cols} tensor")
+                count += 1
+    with_bad_block = x[:, :cols - 1]
+    try:
+        quantize_fn(with_bad_block, FORMATS["e4m3"], (1, 128))
+    except ValueError:
+        pass
+    else:
+        raise CheckFailed(f"quantizing a {rows}×{cols - 1} tensor in 1×128 tiles should raise ValueError (the tiles "
+                          f"do not divide it), not quietly drop or pad columns")
+    history = rng.randint(3, 6)
+    scaler, reference = delayed_class(FORMATS["e4m3"], history), DelayedScaling("e4m3", history)
+    for step in range(12):
+        x = torch.randn(64, 128, generator=generator) * (1 + step / 4)
+        if step in (5, 9):
+            x[3, 7] = 400.0  # a spike the history has not seen
+        got, want = scaler.quantize(x), reference.quantize(x)
+        _compare_quantized(got, want, x, FORMATS["e4m3"], f"delayed scaling (history={history}), step {step}",
+                           delayed=True, first=step == 0)
+    return (f"{count} tensors with outliers, per-tensor/per-row/1×128/128×128 in E4M3 and E5M2, and 12 steps of "
+            f"delayed scaling with spikes: scales and FP8 values equal the reference")
+
+
+def _compare_quantized(got, want, x, fmt: Format, where: str, delayed: bool = False, first: bool = False) -> None:
+    try:
+        q, scale = got
+    except (TypeError, ValueError):
+        raise CheckFailed(f"{where}: return (q, scale), got {type(got).__name__}") from None
+    ref_q, ref_scale = want
+    if not isinstance(q, torch.Tensor) or q.dtype != fmt.dtype or q.shape != x.shape:
+        raise CheckFailed(f"{where}: q should be a {tuple(x.shape)} {fmt.dtype} tensor, got "
+                          f"{getattr(q, 'dtype', type(q).__name__)} {tuple(getattr(q, 'shape', ()))}")
+    scale = torch.as_tensor(scale)
+    if scale.numel() != ref_scale.numel():
+        raise CheckFailed(f"{where}: {scale.numel()} scales, expected {ref_scale.numel()} "
+                          f"(one per block: a grid of shape {tuple(ref_scale.shape)})")
+    scale = scale.reshape(ref_scale.shape).float()
+    if not torch.isfinite(scale).all() or (scale <= 0).any():
+        raise CheckFailed(f"{where}: a scale is {scale[~torch.isfinite(scale) | (scale <= 0)][0].item()}: an all-zero "
+                          f"block has amax 0, give it scale 1 instead of dividing by zero")
+    if not torch.allclose(scale, ref_scale, rtol=1e-5, atol=0):
+        i = int(((scale - ref_scale).abs() / ref_scale).flatten().argmax())
+        g, w = scale.flatten()[i].item(), ref_scale.flatten()[i].item()
+        if delayed:
+            hint = ("the first call has an empty history: use this tensor's own amax" if first else
+                    "scale with the largest amax of the previous steps (not this tensor's), then record this "
+                    "tensor's amax")
+        elif math.isclose(g * w, 1.0, rel_tol=1e-4):
+            hint = "scale is the dequantisation factor amax / fp8_max (x ≈ q · scale), not its inverse"
+        else:
+            hint = f"each block's scale is its amax / {fmt.max:g}"
+        raise CheckFailed(f"{where}: scale {i} (of grid {tuple(ref_scale.shape)}) is {g:.6g}, expected {w:.6g}: {hint}")
+    ulp = 2.0 ** -fmt.mantissa_bits  # one step of the format, relative; subnormals step by ulp · min_normal
+    back, ref_back = dequantize(q, scale), dequantize(ref_q, ref_scale)
+    floor = fmt.min_normal * expand_scale(ref_scale, tuple(x.shape))
+    err = ((back - ref_back).abs() / torch.maximum(ref_back.abs(), floor)).max().item()
+    if not torch.isfinite(back).all() or err > 1.01 * ulp:
+        raise CheckFailed(f"{where}: dequantised values differ from the reference by up to {err:.3g} relative "
+                          f"(more than one {fmt.name.upper()} step, {ulp:g}): q = clamp(x / scale, ±{fmt.max:g}) "
+                          f"cast to {fmt.dtype}")
+
+
+# ---------------------------------------------------------------- 9.4
+
+
+class _CountScaledMM(TorchDispatchMode):
+    def __init__(self):
+        super().__init__()
+        self.calls = 0
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        if func.overloadpacket is torch.ops.aten._scaled_mm:
+            self.calls += 1
+        return func(*args, **(kwargs or {}))
+
+
+def _matmul_case(rng: random.Random, generator: torch.Generator, m: int, k: int, n: int, rowwise: bool,
+                 dtype_b=torch.float8_e4m3fn):
+    a = (torch.randn(m, k, generator=generator) * 100).to(torch.float8_e4m3fn)
+    b = (torch.randn(n, k, generator=generator) * 100).to(dtype_b).t()  # (k, n), column-major like a weight's .t()
+    if rowwise:
+        sa = torch.rand(m, 1, generator=generator) * 0.02 + 0.001
+        sb = torch.rand(1, n, generator=generator) * 0.02 + 0.001
+    else:
+        sa, sb = torch.tensor(rng.uniform(0.001, 0.02)), torch.tensor(rng.uniform(0.001, 0.02))
+    return a, b, sa, sb
+
+
+def check_fp8_matmul(emulated_fn, native_fn, auto_fn) -> str:
+    """9.4: ``emulated_fn``/``native_fn(a, b, scale_a, scale_b, out_dtype)`` and ``auto_fn(...) -> (out, path)``."""
+    rng = random.Random(_SEED + 4)
+    generator = torch.Generator().manual_seed(_SEED + 4)
+    support = scaled_mm_support("cpu")
+    shapes = [(16 * rng.randint(1, 4), 16 * rng.randint(1, 6), 16 * rng.randint(1, 4)) for _ in range(3)]
+    for m, k, n in shapes:
+        for rowwise in (False, True):
+            for dtype_b in (torch.float8_e4m3fn, torch.float8_e5m2):
+                a, b, sa, sb = _matmul_case(rng, generator, m, k, n, rowwise, dtype_b)
+                where = (f"{'row-wise' if rowwise else 'tensor-wise'} {m}×{k} @ {k}×{n} "
+                         f"(E4M3 × {'E5M2' if dtype_b == torch.float8_e5m2 else 'E4M3'})")
+                expected = emulated_scaled_mm(a, b, sa, sb, torch.float32)
+                _compare_matmul(emulated_fn(a, b, sa, sb, torch.float32), expected, a, b, sa, sb, f"emulated, {where}")
+                if support.tensorwise and (support.rowwise or not rowwise):
+                    mode = _CountScaledMM()
+                    with mode:
+                        got = native_fn(a, b, sa, sb, torch.float32)
+                    if mode.calls == 0:
+                        raise CheckFailed(f"native, {where}: torch._scaled_mm was never called")
+                    _compare_matmul(got, expected, a, b, sa, sb, f"native, {where}")
+    a, b, sa, sb = _matmul_case(rng, generator, 17, 40, 24, False)
+    out, path = auto_fn(a, b, sa, sb, torch.bfloat16)
+    if path != "emulated":
+        raise CheckFailed(f"auto, a 17×40 @ 40×24 matmul chose {path!r}: K and N must be multiples of {MULTIPLE} for "
+                          f"torch._scaled_mm on a GPU, so this shape takes the emulated path")
+    _compare_matmul(out, emulated_scaled_mm(a, b, sa, sb, torch.bfloat16), a, b, sa, sb, "auto, 17×40 @ 40×24")
+    a, b, sa, sb = _matmul_case(rng, generator, 32, 64, 48, False)
+    out, path = auto_fn(a, b, sa, sb, torch.bfloat16)
+    if path != support.path:
+        raise CheckFailed(f"auto, a 32×64 @ 64×48 matmul on this CPU chose {path!r}; expected {support.path!r} "
+                          f"({support.reason})")
+    return (f"{len(shapes) * 4} matmuls per path, tensor-wise and row-wise, E4M3×E4M3 and E4M3×E5M2: emulated = "
+            f"dequantised product, native calls torch._scaled_mm; auto picks {support.path} here and emulates "
+            f"17×40 @ 40×24")
+
+
+def _compare_matmul(got, expected, a, b, sa, sb, where: str) -> None:
+    if not isinstance(got, torch.Tensor) or got.shape != expected.shape:
+        raise CheckFailed(f"{where}: expected a {tuple(expected.shape)} tensor, got "
+                          f"{tuple(getattr(got, 'shape', ())) or type(got).__name__}")
+    if got.dtype != expected.dtype:
+        raise CheckFailed(f"{where}: the output has dtype {got.dtype}; return out_dtype={expected.dtype}")
+    tol = 1e-5 if expected.dtype == torch.float32 else 1e-2
+    err = float((got.float() - expected.float()).norm() / expected.float().norm())
+    if err <= tol:
+        return
+    inverse = emulated_scaled_mm(a, b, 1 / sa, 1 / sb, torch.float32)
+    if float((got.float() - inverse).norm() / inverse.norm()) < 1e-3:
+        hint = "you divided by the scales: they are dequantisation factors, multiply (a · scale_a) @ (b · scale_b)"
+    elif _relative(got, a.float() @ b.float()) < 1e-3:
+        hint = "the scales were not applied: multiply (a · scale_a) @ (b · scale_b)"
+    else:
+        hint = "scale_a multiplies the rows of a (shape (M, 1) or one number), scale_b the columns of b ((1, N))"
+    raise CheckFailed(f"{where}: relative error {err:.3g} against the dequantised product: {hint}")
+
+
+# ---------------------------------------------------------------- 9.5
+
+
+def _linear_pair(student_class, k: int, n: int, generator: torch.Generator, bias: bool):
+    ref = Float8Linear(k, n, bias=bias)
+    with torch.no_grad():
+        ref.weight.copy_(torch.randn(n, k, generator=generator) * 0.05)
+        if bias:
+            ref.bias.copy_(torch.randn(n, generator=generator) * 0.1)
+    mine = student_class.from_linear(nn.Linear(k, n, bias=bias))
+    with torch.no_grad():
+        mine.weight.copy_(ref.weight)
+        if bias:
+            mine.bias.copy_(ref.bias)
+    return mine, ref
+
+
+def _variant_grads(x, weight, grad_out, grad_format):
+    """Input and weight gradients of the FP8 recipe, the incoming gradient in ``grad_format`` (None: unquantised)."""
+    xq, sx = quantize(x, "e4m3")
+    wq, sw = quantize(weight, "e4m3")
+    g = grad_out.float() if grad_format is None else dequantize(*quantize(grad_out, grad_format))
+    return g @ dequantize(wq, sw), g.t() @ dequantize(xq, sx)
+
+
+def check_float8_linear(student_class) -> str:
+    """9.5: an ``nn.Linear`` subclass whose matmuls are FP8 (E4M3 forward, E5M2 gradients), fp32 master weights."""
+    rng = random.Random(_SEED + 5)
+    generator = torch.Generator().manual_seed(_SEED + 5)
+    shapes = [(16 * rng.randint(2, 8), 16 * rng.randint(1, 6), 16 * rng.randint(1, 6), rng.random() < 0.5)
+              for _ in range(4)]
+    for m, k, n, bias in shapes:
+        mine, ref = _linear_pair(student_class, k, n, generator, bias)
+        where = f"{m}×{k} input, {k}→{n} layer{' with bias' if bias else ''}"
+        if mine.weight.dtype != torch.float32:
+            raise CheckFailed(f"{where}: weight is {mine.weight.dtype}; keep float32 master weights, quantise a copy")
+        x = (torch.randn(m, k, generator=generator) * 2).requires_grad_()
+        x_ref = x.detach().clone().requires_grad_()
+        grad_out = torch.randn(m, n, generator=generator) * 1e-3
+        y, y_ref = mine(x), ref(x_ref)
+        if y.shape != y_ref.shape:
+            raise CheckFailed(f"{where}: output shape {tuple(y.shape)}, expected {tuple(y_ref.shape)}")
+        err = _relative(y, y_ref)
+        if err > 1e-4:
+            plain = nn.functional.linear(x.detach(), ref.weight, ref.bias)
+            hint = ("the output equals the high-precision linear: quantise x and the weight to E4M3 before the matmul"
+                    if _relative(y, plain) < 1e-4 else "forward is quantize(x) @ quantize(W)ᵀ in E4M3 (+ bias)")
+            raise CheckFailed(f"{where}: forward differs from the FP8 reference by {err:.3g} (relative): {hint}")
+        y.backward(grad_out)
+        y_ref.backward(grad_out)
+        for name, got, want in (("input gradient", x.grad, x_ref.grad), ("weight gradient", mine.weight.grad,
+                                                                          ref.weight.grad)):
+            if got is None:
+                raise CheckFailed(f"{where}: no {name}: backward must return grad_x and grad_W")
+            if got.dtype != want.dtype:
+                raise CheckFailed(f"{where}: the {name} is {got.dtype}, expected {want.dtype} (the dtype of what it "
+                                  f"is the gradient of)")
+            err = _relative(got, want)
+            if err > 1e-4:
+                raise CheckFailed(f"{where}: the {name} differs from the FP8 reference by {err:.3g} (relative): "
+                                  f"{_gradient_hint(name, got, x_ref.detach(), ref.weight.detach(), grad_out)}")
+    cfg_losses = _train_gpt(student_class)
+    return (f"{len(shapes)} layers: output, input and weight gradients equal the reference (E4M3 forward, E5M2 "
+            f"gradients, fp32 weights); a GPT trained with it for 3 steps matches ({cfg_losses})")
+
+
+def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
+    return float((a.detach().float() - b.detach().float()).norm() / b.detach().float().norm().clamp_min(1e-30))
+
+
+def _gradient_hint(name: str, got, x, weight, grad_out) -> str:
+    index = 0 if name == "input gradient" else 1
+    for fmt, hint in ((None, "the gradient was not quantised: quantise grad_output to E5M2 before both matmuls"),
+                      ("e4m3", "grad_output was quantised to E4M3: gradients use E5M2 (wider range)")):
+        if _relative(got, _variant_grads(x, weight, grad_out, fmt)[index]) < 1e-4:
+            return hint
+    return ("grad_x = g @ W and grad_W = gᵀ @ x, with g in E5M2 and the E4M3 copies of x and W saved in forward"
+            if index else "grad_x = g @ W with g quantised to E5M2 and W the E4M3 copy from forward")
+
+
+def _train_gpt(student_class) -> str:
+    from distlab.model import GPTConfig
+
+    cfg = GPTConfig(vocab_size=64, seq_len=16, n_layer=1, n_head=2, d_model=32)
+    mine = train_recipe("fp8", cfg, steps=3, batch_size=4,
+                        linear_factory=lambda linear, path: student_class.from_linear(linear))
+    ref = train_recipe("fp8", cfg, steps=3, batch_size=4)
+    gap = max(abs(a - b) for a, b in zip(mine.losses, ref.losses))
+    if gap > 1e-4:
+        raise CheckFailed(f"a GPT with your layer trains differently from the reference FP8 recipe: losses "
+                          f"{[round(v, 4) for v in mine.losses]} vs {[round(v, 4) for v in ref.losses]}")
+    return f"losses {final_loss(mine.losses, 3):.4f} vs {final_loss(ref.losses, 3):.4f}"
+
+
+# ---------------------------------------------------------------- the lab's exercises and quiz
+
+_H100_RATIO = PEAK_FLOPS["H100 SXM fp8"] / PEAK_FLOPS["H100 SXM bf16"]
+
+EXERCISES = [
+    Exercise("9.1", "encode and decode E4M3 and E5M2 by hand", 3, check_codes),
+    Exercise("9.2", "dynamic loss scaler for FP16", 3, check_loss_scaler),
+    Exercise("9.3", "per-tensor, per-row, per-tile and delayed scaling", 3, check_scaling),
+    Exercise("9.4", "FP8 matmul: torch._scaled_mm or emulated", 3, check_fp8_matmul),
+    Exercise("9.5", "Float8Linear: E4M3 forward, E5M2 gradients", 4, check_float8_linear),
+    number("Q9.1", "largest finite E4M3 value", answer=FORMATS["e4m3"].max,
+           hint="decode 0 1111 110: see 'FP8 bit by bit'"),
+    choice("Q9.2", "why BF16 rather than FP16", answer="b", options="abcd",
+           hint="compare the exponent bits of the formats in 'BF16 against FP16: where gradients go'"),
+    number("Q9.3", "scale after an overflow at scale 65536", answer=65536 * 0.5,
+           hint="what update() does after an inf/NaN step: 'Exercise 9.2'"),
+    choice("Q9.4", "which FP8 format for gradients", answer="b", options="abcd",
+           hint="compare the binades each format spans with the gradients' spread in 'Range against precision'"),
+    number("Q9.5", "scales of a 4096×8192 activation in 1×128 tiles", answer=4096 * 8192 // 128,
+           hint="one scale per tile: 'Scaling granularity'"),
+    choice("Q9.6", "why promote partial sums to fp32 every 128 products", answer="c", options="abcd",
+           hint="look at how the error grows with K in 'Accumulation: why DeepSeek-V3 promotes every 128'"),
+    number("Q9.7", "step speed-up bound when 90% of FLOPs run at H100's FP8/BF16 peak ratio",
+           answer=1 / (0.1 + 0.9 / _H100_RATIO), rel_tol=0.02,
+           hint="Amdahl's law with the peak ratio from 'Honest timing'"),
+]

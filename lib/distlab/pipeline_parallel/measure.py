@@ -1,0 +1,143 @@
+"""Reading the bubble off a real timeline, and drawing it.
+
+Every rank's idle share is measured over one window common to all ranks — from the first
+compute of any rank to the last compute of any rank — because the bubble *is* the time the
+last stage waits before its first forward and the first stage waits after its last
+backward; measuring each rank from its own first to its own last span would hide exactly that.
+
+Real stages are never exactly equal (the last one also runs the LM head and the loss, and
+two cores never run at quite the same speed), and a pipeline moves at the pace of its
+slowest stage: the faster stages also wait for it on every micro-batch. That waiting is
+*imbalance*, not bubble. The busiest stage never waits for a slower one, so its idle share
+is the fill and drain alone — the bubble the schedule costs, the quantity
+``(p-1)/(m+p-1)`` predicts. :class:`Bubble` reports both.
+"""
+
+from __future__ import annotations
+
+import statistics
+from dataclasses import dataclass
+from typing import Sequence
+
+from distlab.timeline import Span, idle_fraction
+
+__all__ = ["PHASE_COLORS", "compute_spans", "step_spans", "Bubble", "measured_bubble", "StepsBubble", "steps_bubble",
+           "plot_pipeline"]
+
+PHASE_COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#55A868", "W": "#8C9E3F"}
+
+
+def compute_spans(spans: Sequence[Span]) -> list[Span]:
+    """The executor's forward/backward spans (labels ``F3``, ``B3``, ``I3``, ``W3``, ``F3.1`` …)."""
+    return [s for s in spans if s.kind == "compute" and s.label[:1] in PHASE_COLORS and s.label[1:2].isdigit()]
+
+
+def step_spans(spans: Sequence[Span], step: int) -> list[Span]:
+    """Compute spans of step ``step``: those inside each rank's ``step{step}`` marker span."""
+    markers = {s.rank: s for s in spans if s.label == f"step{step}"}
+    if not markers:
+        raise KeyError(f"no span labelled 'step{step}' in this run")
+    return [s for s in compute_spans(spans)
+            if s.rank in markers and markers[s.rank].start <= s.start <= markers[s.rank].end]
+
+
+@dataclass(frozen=True)
+class Bubble:
+    per_rank: tuple[float, ...]  # idle share of each rank over the common window
+    window: float  # seconds from the first compute to the last, over all ranks
+
+    @property
+    def bottleneck(self) -> int:
+        """The busiest rank: the least idle over the common window."""
+        return min(range(len(self.per_rank)), key=self.per_rank.__getitem__)
+
+    @property
+    def fraction(self) -> float:
+        """The pipeline's bubble: the idle share of its busiest stage (fill and drain only)."""
+        return self.per_rank[self.bottleneck]
+
+    @property
+    def mean_idle(self) -> float:
+        """Idle share averaged over the ranks: the bubble plus the faster stages' wait for the slowest."""
+        return statistics.fmean(self.per_rank)
+
+
+def measured_bubble(spans: Sequence[Span], ranks: int | None = None) -> Bubble:
+    """Idle share of every rank between the first and the last compute span of any rank.
+
+    Uses :func:`distlab.timeline.idle_fraction` on each rank's compute spans plus two
+    zero-length marks at the common window's ends (so "the rank's wall time" is the
+    pipeline's, not the rank's own).
+    """
+    work = compute_spans(spans)
+    if not work:
+        raise ValueError("no forward/backward spans to measure: did the executor record spans?")
+    start, end = min(s.start for s in work), max(s.end for s in work)
+    ranks = ranks if ranks is not None else 1 + max(s.rank for s in work)
+    per_rank = []
+    for r in range(ranks):
+        marks = [Span(r, "window", "idle", start, start), Span(r, "window", "idle", end, end)]
+        per_rank.append(idle_fraction([s for s in work if s.rank == r] + marks, r))
+    return Bubble(tuple(per_rank), end - start)
+
+
+@dataclass(frozen=True)
+class StepsBubble:
+    """The bubble of a run over several steps: medians, with one bottleneck rank for all steps."""
+
+    fraction: float  # median over steps of the bottleneck rank's idle share: the bubble
+    mean_idle: float  # median over steps of the idle share averaged over ranks: bubble + imbalance
+    bottleneck: int  # the rank that computed the most over all steps
+    per_step: tuple[float, ...]  # the bottleneck rank's idle share in each step
+
+
+def steps_bubble(spans: Sequence[Span], steps: Sequence[int], ranks: int) -> StepsBubble:
+    """Measure the bubble over ``steps`` (``step{k}`` markers), choosing the bottleneck once.
+
+    Picking the least idle rank in each step separately would pick noise: the minimum of
+    several jittery values is biased low. The rank that computed the most over all the
+    steps is the slowest stage; its idle share in each step is that step's bubble.
+    """
+    bubbles = [measured_bubble(step_spans(spans, k), ranks) for k in steps]
+    busy = [sum((1 - b.per_rank[r]) * b.window for b in bubbles) for r in range(ranks)]
+    bottleneck = max(range(ranks), key=busy.__getitem__)
+    per_step = tuple(b.per_rank[bottleneck] for b in bubbles)
+    return StepsBubble(statistics.median(per_step), statistics.median(b.mean_idle for b in bubbles), bottleneck,
+                       per_step)
+
+
+def plot_pipeline(spans: Sequence[Span], ax=None, title: str | None = None, unit: str = "ms", label_bars: bool = True):
+    """Pipeline Gantt chart: a row per rank, forwards blue, backwards green, idle grey.
+
+    Each bar is labelled with its micro-batch (``3``, or ``3.1`` for micro-batch 3 on the
+    rank's second virtual stage). ``unit="slots"`` for simulated timelines in unit time.
+    """
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    work = compute_spans(spans)
+    ranks = sorted({s.rank for s in work})
+    if ax is None:
+        _, ax = plt.subplots(figsize=(10, 0.6 + 0.5 * len(ranks)))
+    scale = 1e3 if unit == "ms" else 1.0
+    t0 = min(s.start for s in work)
+    t1 = max(s.end for s in work)
+    for r in ranks:
+        ax.barh(r, (t1 - t0) * scale, left=0, height=0.8, color="#E6E6E6", edgecolor="none")
+    for s in work:
+        left, width = (s.start - t0) * scale, s.duration * scale
+        ax.barh(s.rank, width, left=left, height=0.8, color=PHASE_COLORS[s.label[0]], edgecolor="white", linewidth=0.5)
+        if label_bars and width > 0.025 * (t1 - t0) * scale:
+            ax.text(left + width / 2, s.rank, s.label[1:], ha="center", va="center", fontsize=7, color="white")
+    ax.set_yticks(ranks)
+    ax.set_yticklabels([f"rank {r}" for r in ranks])
+    ax.invert_yaxis()
+    ax.set_xlim(0, (t1 - t0) * scale)
+    ax.set_xlabel("time (ms)" if unit == "ms" else "time (forward slots)")
+    kinds = sorted({s.label[0] for s in work}, key="FBIW".index)
+    names = {"F": "forward", "B": "backward", "I": "input grad", "W": "weight grad"}
+    handles = [Patch(color=PHASE_COLORS[k], label=names[k]) for k in kinds] + [Patch(color="#E6E6E6", label="idle")]
+    ax.legend(handles=handles, loc="upper left", bbox_to_anchor=(1.0, 1.0), fontsize=8, frameon=False)
+    if title:
+        ax.set_title(title, fontsize=10)
+    return ax

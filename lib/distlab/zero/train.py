@@ -1,0 +1,397 @@
+"""Training with every stage on real ranks, the same run with PyTorch's own ZeRO/FSDP, and what they cost.
+
+:func:`train_worker` trains the lab's GPT with DDP (stage 0) or ZeRO stage 1/2/3 built from
+scratch, or with ``ZeroRedundancyOptimizer`` (stage 1) / FSDP2 ``fully_shard`` (stage 3), on
+this rank's slice of each global batch, and reports losses, step times, the full weights
+(gathered), bytes of parameters/gradients/optimizer state this rank holds, the bytes each
+collective moved per step and the peak memory. :func:`train` is the same for torchrun::
+
+    torchrun --nproc-per-node=4 -m distlab.torchrun distlab.zero:train stage=3 steps=20
+"""
+
+from __future__ import annotations
+
+import functools
+import statistics
+import time
+from typing import Callable
+
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+
+from distlab import comm
+from distlab.data_parallel import (DEFAULT_BUCKET_CAP_BYTES, _require_process_group, broadcast_parameters, build_model,
+                                   local_batches)
+from distlab.memory import tensor_bytes
+from distlab.model import Block, GPTConfig
+from distlab.reference import make_optimizer
+from distlab.timeline import span
+from distlab.zero.flat import (ALL_GATHER_OPS, REDUCE_SCATTER_OPS, Axis, check_shard_size, flat_params_of, gather_flat,
+                               mesh_axes)
+from distlab.zero.fsdp import ZeRO3, checkpoint_module, plan_units
+from distlab.zero.optim import ShardedOptimizer
+from distlab.zero.zero2 import ZeRO2
+
+__all__ = ["STAGES", "WRAP_POLICIES", "compute_dtype", "validate", "make_engine", "state_bytes", "full_state_dict",
+           "comm_snapshot", "comm_per_step", "peak_memory", "train_worker", "train", "Unfinished", "stop_at_stub",
+           "raise_if_unfinished", "run_exercise"]
+
+STAGES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
+WRAP_POLICIES = {"block": (Block,), "model": ()}  # one unit per transformer block, or one for the whole model
+_DTYPES = {None: None, "fp32": None, "bf16": torch.bfloat16}
+
+
+def compute_dtype(device: torch.device) -> tuple[torch.dtype, str]:
+    """The low-precision dtype for compute copies on ``device``, and one line saying why."""
+    if device.type == "cuda":
+        if torch.cuda.is_bf16_supported():
+            return torch.bfloat16, f"bf16 on {torch.cuda.get_device_name(device)} (compute capability 8.0+)"
+        return torch.float32, ("this GPU has no bf16; fp16 would need loss scaling, which this lab does not "
+                               "build: computing in fp32")
+    return torch.bfloat16, "bf16 on the CPU (emulated by PyTorch's CPU kernels: correct, not fast)"
+
+
+# ---------------------------------------------------------------- validation (before any rank starts)
+
+def validate(world_size: int, stage: int = 3, impl: str = "scratch", cfg: GPTConfig | None = None,
+             batch_size: int = 8, wrap: str = "block", shard_size: int | None = None, dtype: str | None = None,
+             model: str = "gpt", **_) -> None:
+    """Raise a one-line ``ValueError`` for a run that cannot work; call it before launching."""
+    if stage not in STAGES:
+        raise ValueError(f"stage={stage!r}: expected 0 (DDP), 1, 2 or 3 (ZeRO)")
+    if impl not in ("scratch", "torch"):
+        raise ValueError(f"impl={impl!r}: expected 'scratch' or 'torch'")
+    if impl == "torch" and stage not in (1, 3):
+        raise ValueError(f"impl='torch' exists for stage 1 (ZeroRedundancyOptimizer) and 3 (FSDP2), not {stage}")
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size={world_size!r} must be a positive integer")
+    if batch_size % world_size:
+        raise ValueError(f"global batch {batch_size} is not divisible by world_size={world_size}: every rank "
+                         f"needs an equal slice for the averaged gradient to be the full-batch gradient")
+    if shard_size is not None:
+        check_shard_size(world_size, shard_size)
+        if stage == 0:
+            raise ValueError("shard_size is a ZeRO option; DDP (stage 0) shards nothing")
+    if dtype not in _DTYPES:
+        raise ValueError(f"dtype={dtype!r}: expected 'fp32' or 'bf16'")
+    if wrap not in WRAP_POLICIES:
+        raise ValueError(f"wrap={wrap!r}: expected one of {sorted(WRAP_POLICIES)}")
+    plan_units(build_model(model, cfg or GPTConfig()), WRAP_POLICIES[wrap])
+
+
+# ---------------------------------------------------------------- building a stage
+
+def _optimizer_factory(name: str, lr: float, **options) -> Callable:
+    """``factory(param_groups)`` building the reference's optimizer (one source: ``make_optimizer``)."""
+    return functools.partial(make_optimizer, optimizer=name, lr=lr, **options)
+
+
+def make_engine(stage: int, module: nn.Module, optimizer: str = "sgd", lr: float = 0.1, *, dtype=None,
+                wrap: str = "block", shard_size: int | None = None, prefetch: bool = False,
+                bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, trace: bool = False,
+                sharded_optimizer: Callable | None = None, reduce_fn: Callable | None = None,
+                unshard_fn: Callable | None = None, reshard_fn: Callable | None = None):
+    """``(model, optimizer)`` for DDP (stage 0) or ZeRO stage 1/2/3, from scratch, around ``module``.
+
+    Stage 0 is DDP with a flat fp32 master (one all-reduce per step); ``shard_size`` < world
+    size makes stages 1-3 hybrid (HSDP). ``sharded_optimizer``, ``reduce_fn``,
+    ``unshard_fn``/``reshard_fn`` replace the library's pieces with an exercise's answers.
+    """
+    factory = _optimizer_factory(optimizer, lr)
+    if stage == 0:
+        broadcast_parameters(module)
+        return module, ShardedOptimizer(module.parameters(), factory, shard=Axis.single(), replicate=Axis.world(),
+                                        dtype=dtype)
+    shard, replicate = mesh_axes(shard_size)
+    if stage == 1:
+        broadcast_parameters(module)
+        if sharded_optimizer is not None:
+            return module, sharded_optimizer(module.parameters(), factory)
+        return module, ShardedOptimizer(module.parameters(), factory, shard=shard, replicate=replicate, dtype=dtype)
+    if stage == 2:
+        model = ZeRO2(module, bucket_cap_bytes, shard=shard, replicate=replicate, dtype=dtype, reduce_fn=reduce_fn)
+        return model, model.optimizer(factory)
+    model = ZeRO3(module, WRAP_POLICIES[wrap], shard=shard, replicate=replicate, dtype=dtype, prefetch=prefetch,
+                  unshard_fn=unshard_fn, reshard_fn=reshard_fn, reduce_fn=reduce_fn, trace=trace)
+    return model, model.optimizer(factory)
+
+
+def _torch_engine(stage: int, module: nn.Module, optimizer: str, lr: float, dtype, wrap: str,
+                  shard_size: int | None):
+    """PyTorch's own: DDP + ``ZeroRedundancyOptimizer`` (stage 1) or FSDP2 ``fully_shard`` (stage 3)."""
+    options = {"lr": lr, "weight_decay": 0.0}
+    optimizer_class = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}[optimizer]
+    if stage == 1:
+        from torch.distributed.optim import ZeroRedundancyOptimizer
+        from torch.nn.parallel import DistributedDataParallel
+
+        model = DistributedDataParallel(module)  # broadcasts rank 0's weights
+        return model, ZeroRedundancyOptimizer(module.parameters(), optimizer_class, **options)
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+
+    policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
+    mesh = _device_mesh(shard_size)
+    for m in module.modules():
+        if m is not module and isinstance(m, WRAP_POLICIES[wrap]):
+            fully_shard(m, mesh=mesh, mp_policy=policy)
+    fully_shard(module, mesh=mesh, mp_policy=policy)
+    return module, optimizer_class(module.parameters(), **options)
+
+
+_meshes: dict = {}
+
+
+def _device_mesh(shard_size: int | None):
+    """FSDP2's mesh, made once per rank process: 1-D, or (replicate, shard) for HSDP."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    world = dist.get_world_size()
+    shard_size = shard_size or world
+    if shard_size not in _meshes:
+        device_type = "cuda" if dist.get_backend() == "nccl" else "cpu"
+        shape, names = ((world,), ("shard",)) if shard_size == world else \
+            ((world // shard_size, shard_size), ("replicate", "shard"))
+        _meshes[shard_size] = init_device_mesh(device_type, shape, mesh_dim_names=names)
+    return _meshes[shard_size]
+
+
+# ---------------------------------------------------------------- measuring
+
+def state_bytes(module: nn.Module, optimizer) -> dict[str, int]:
+    """Bytes this rank holds of parameters, gradients and optimizer state, each storage once.
+
+    Parameters: the module's (views of flat buffers; a freed ZeRO-3 buffer holds 0 bytes)
+    plus the shards. Gradients: ``p.grad`` plus reduced shards. Optimizer: fp32 masters and
+    the inner optimizer's state (Adam's moments), minus anything already counted above.
+    """
+    flats = flat_params_of(module)
+    params = list(module.parameters()) + [f.local for f in flats]
+    grads = [p.grad for p in module.parameters()] + [f.grad_shard for f in flats]
+    inner = getattr(optimizer, "optim", optimizer)
+    state = [v for s in inner.state.values() for v in s.values() if isinstance(v, torch.Tensor)] if inner else []
+    opt = [f.master for f in flats] + state
+    p, g = tensor_bytes(params), tensor_bytes(params + grads) - tensor_bytes(params)
+    return {"parameters": p, "gradients": g, "optimizer": tensor_bytes(params + grads + opt) - p - g}
+
+
+@torch.no_grad()
+def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
+    """Every rank's view of the whole model, in fp32 (the masters in mixed precision); collective.
+
+    Sharded buffers are all-gathered; DTensor parameters (FSDP2) are gathered with ``full_tensor()``.
+    """
+    values: dict[int, torch.Tensor] = {}
+    for flat in flat_params_of(module):
+        source = (flat.master if flat.master is not None else flat.local).float()
+        full = torch.empty(flat.layout.padded_numel, dtype=torch.float32, device=source.device)
+        gather_flat(full, source.contiguous(), flat.shard_axis)
+        for p, view in zip(flat.params, flat.layout.views(full)):
+            values[id(p)] = view.clone()
+    out = {}
+    for name, t in module.state_dict(keep_vars=True).items():
+        if id(t) in values:
+            out[name] = values[id(t)].cpu()
+        elif hasattr(t, "full_tensor"):
+            out[name] = t.full_tensor().detach().float().cpu()
+        else:
+            out[name] = t.detach().float().cpu()
+    return out
+
+
+def comm_snapshot() -> dict[str, tuple[int, int, float]]:
+    """This rank's communication totals so far: op → (calls, payload bytes, sent bytes)."""
+    return {op: (s.calls, s.payload_bytes, s.wire_bytes) for op, s in comm.current_log().ops.items()}
+
+
+def comm_per_step(before: dict, after: dict, steps: int) -> dict[str, dict[str, float]]:
+    """Per-step calls, payload and sent bytes between two snapshots, with torch's two names for the
+    tensor all-gather / reduce-scatter merged into ``all_gather`` / ``reduce_scatter``."""
+    merged: dict[str, dict[str, float]] = {}
+    for op, (calls, payload, wire) in after.items():
+        c0, p0, w0 = before.get(op, (0, 0, 0.0))
+        if op == "barrier" or calls == c0:
+            continue
+        name = "all_gather" if op in ALL_GATHER_OPS else "reduce_scatter" if op in REDUCE_SCATTER_OPS else op
+        row = merged.setdefault(name, {"calls": 0.0, "payload": 0.0, "wire": 0.0})
+        row["calls"] += (calls - c0) / steps
+        row["payload"] += (payload - p0) / steps
+        row["wire"] += (wire - w0) / steps
+    return merged
+
+
+def peak_memory(step: Callable[[], None], *tracked) -> tuple[int, str]:
+    """Peak bytes of live tensors during ``step()``, and how they were measured.
+
+    On a GPU: ``torch.cuda.max_memory_allocated``. On the CPU there is no allocator
+    statistic, so PyTorch's ``MemTracker`` (a dispatch mode that follows every tensor
+    storage, including FSDP's storage resizes) counts them; ``tracked`` are the modules,
+    optimizers and tensors that exist before the step.
+    """
+    device = next((t.device for t in _tracked_tensors(tracked)), torch.device("cpu"))
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.reset_peak_memory_stats(device)
+        step()
+        torch.cuda.synchronize(device)
+        return torch.cuda.max_memory_allocated(device), "torch.cuda.max_memory_allocated"
+    from torch.distributed._tools.mem_tracker import MemTracker
+
+    tracker = MemTracker()
+    tracker.track_external(*tracked)
+    with tracker:
+        step()
+    peak = tracker.get_tracker_snapshot("peak")
+    return int(sum(snap["Total"] for snap in peak.values())), "bytes of live tensors (torch MemTracker, CPU)"
+
+
+def _tracked_tensors(tracked):
+    for item in tracked:
+        if isinstance(item, torch.Tensor):
+            yield item
+        elif isinstance(item, nn.Module):
+            yield from item.parameters()
+
+
+# ---------------------------------------------------------------- training
+
+def train_worker(stage: int = 3, impl: str = "scratch", cfg: GPTConfig | None = None, steps: int = 3,
+                 batch_size: int = 8, seed: int = 0, data_seed: int = 0, optimizer: str = "sgd", lr: float = 0.1,
+                 dtype: str | None = None, wrap: str = "block", shard_size: int | None = None, prefetch: bool = False,
+                 checkpointing: bool = False, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, model: str = "gpt",
+                 warmup: int = 0, return_state: bool = True, measure_state: bool = False, measure_peak: bool = False,
+                 trace: bool = False, sharded_optimizer: Callable | None = None, reduce_fn: Callable | None = None,
+                 unshard_fn: Callable | None = None, reshard_fn: Callable | None = None) -> dict:
+    """Train on this rank (inside ``distlab.launch``/``Ranks.run`` or torchrun) and report.
+
+    ``batch_size`` is the global batch, split over the ranks. From-scratch stages start each
+    rank from a different seed (the initial broadcast must happen); PyTorch's FSDP2 expects
+    equal initial weights, so it gets rank 0's seed everywhere. ``dtype="bf16"``: mixed
+    precision. ``measure_state``: bytes held after the last step's optimizer step (before
+    ``zero_grad``); ``measure_peak``: peak memory of one more, untimed step. ``comm``: traffic per timed step.
+    """
+    _require_process_group()
+    validate(dist.get_world_size(), stage, impl, cfg, batch_size, wrap, shard_size, dtype, model)
+    cfg = cfg or GPTConfig()
+    rank, world = dist.get_rank(), dist.get_world_size()
+    from distlab.rank import device
+
+    dev = device()
+    same_seed = impl == "torch" and stage == 3
+    module = build_model(model, cfg, seed=seed if rank == 0 or same_seed else seed + 1000 * rank + 1).to(dev)
+    if checkpointing:
+        for block in getattr(module, "blocks", getattr(getattr(module, "gpt", None), "blocks", [])):
+            checkpoint_module(block)
+    low = _DTYPES[dtype]
+    if impl == "torch":
+        net, opt = _torch_engine(stage, module, optimizer, lr, low, wrap, shard_size)
+    else:
+        net, opt = make_engine(stage, module, optimizer, lr, dtype=low, wrap=wrap, shard_size=shard_size,
+                               prefetch=prefetch, bucket_cap_bytes=bucket_cap_bytes, trace=trace,
+                               sharded_optimizer=sharded_optimizer, reduce_fn=reduce_fn, unshard_fn=unshard_fn,
+                               reshard_fn=reshard_fn)
+    losses, times, held, peak = [], [], None, None
+    before = after = comm_snapshot()
+    total = warmup + steps + int(measure_peak)  # the peak is measured in one extra, untimed step
+    for step in range(total):
+        (x, y), = local_batches(cfg, batch_size, step, rank, world, 1, data_seed)
+        x, y = x.to(dev), y.to(dev)
+        last_timed = step == warmup + steps - 1
+
+        def one_step():
+            nonlocal held
+            with span("forward"):
+                _, loss = net(x, y)
+            with span("backward"):
+                loss.backward()
+            with span("optimizer"):
+                opt.step()
+            if last_timed and measure_state:
+                held = state_bytes(module, opt)
+            opt.zero_grad(set_to_none=True)
+            losses.append(loss.item())
+
+        dist.barrier()
+        start = time.perf_counter()
+        if step == total - 1 and measure_peak:
+            peak = peak_memory(one_step, module, getattr(opt, "optim", opt),
+                               *[t for f in flat_params_of(module) for t in (f.local, f.master) if t is not None])
+        else:
+            one_step()
+        dist.barrier()
+        if warmup <= step < warmup + steps:
+            times.append(time.perf_counter() - start)
+        if step == warmup - 1:  # count the timed steps only
+            before = comm_snapshot()
+        if last_timed:
+            after = comm_snapshot()
+    traffic = comm_per_step(before, after, steps)
+    zero3 = net if isinstance(net, ZeRO3) else None
+    return {
+        "rank": rank, "stage": stage, "impl": impl, "world_size": world, "losses": losses, "step_times": times,
+        "state": full_state_dict(module) if return_state else None, "state_bytes": held,
+        "n_params": sum(p.numel() for p in module.parameters()) if impl == "scratch" else None,
+        "comm": traffic, "peak_memory": peak, "peak_param_bytes": zero3.peak_param_bytes if zero3 else None,
+    }
+
+
+def train(steps: int = 20, stage: int = 3, impl: str = "scratch", batch_size: int = 8, n_layer: int = 4,
+          d_model: int = 128, n_head: int = 4, vocab_size: int = 256, seq_len: int = 64, dtype: str | None = None,
+          optimizer: str = "adamw", lr: float = 1e-3, wrap: str = "block", shard_size: int | None = None,
+          prefetch: bool = True, checkpointing: bool = False, warmup: int = 2, seed: int = 0,
+          measure_peak: bool = False) -> dict:
+    """Train the lab's GPT with one stage; the entry point for torchrun.
+
+    ``batch_size`` is per rank (the global batch is ``batch_size · world_size``). Returns this
+    rank's summary: losses, median step time, tokens/s over all ranks, bytes held per rank,
+    bytes moved per step by each collective, and (``measure_peak``) peak memory.
+    """
+    _require_process_group()
+    cfg = GPTConfig(vocab_size=int(vocab_size), seq_len=int(seq_len), n_layer=int(n_layer), n_head=int(n_head),
+                    d_model=int(d_model))
+    world = dist.get_world_size()
+    out = train_worker(int(stage), impl, cfg, steps=int(steps), batch_size=int(batch_size) * world,
+                       seed=int(seed), optimizer=optimizer, lr=float(lr), dtype=dtype, wrap=wrap,
+                       shard_size=shard_size, prefetch=bool(prefetch), checkpointing=bool(checkpointing),
+                       warmup=int(warmup), return_state=False, measure_state=impl == "scratch",
+                       measure_peak=bool(measure_peak))
+    step_time = statistics.median(out["step_times"])
+    return {
+        "rank": out["rank"], "stage": STAGES[int(stage)], "impl": impl, "world_size": world,
+        "loss_first": round(out["losses"][0], 4), "loss_last": round(out["losses"][-1], 4),
+        "step_time_s": round(step_time, 4), "tokens_per_s": round(int(batch_size) * world * cfg.seq_len / step_time, 1),
+        "state_bytes": out["state_bytes"], "peak_memory": out["peak_memory"],
+        "comm_bytes_per_step": {op: round(row["wire"]) for op, row in out["comm"].items()},
+    }
+
+
+# ---------------------------------------------------------------- exercises on warm ranks
+
+class Unfinished(str):
+    """What a rank returns instead of raising when it reached an exercise's stub (the stub's message)."""
+
+
+def stop_at_stub(fn: Callable, *args, **kwargs):
+    """Run ``fn`` on this rank; an unfinished exercise's ``NotImplementedError`` comes back as :class:`Unfinished`.
+
+    A job that raises ends the launcher's warm group, and restarting ranks costs seconds; every rank
+    reaches the same stub at the same point, before any collective, so returning is safe.
+    """
+    try:
+        return fn(*args, **kwargs)
+    except NotImplementedError as error:
+        return Unfinished(str(error))
+
+
+def raise_if_unfinished(run):
+    """Raise the stub's ``NotImplementedError`` in the notebook if a rank stopped at one; else return ``run``."""
+    stopped = [value for value in run if isinstance(value, Unfinished)]
+    if stopped:
+        raise NotImplementedError(stopped[0])
+    return run
+
+
+def run_exercise(ranks, **kwargs):
+    """``ranks.run(train_worker, kwargs=kwargs)`` for a run that includes an exercise's answer: an unfinished
+    exercise raises ``NotImplementedError`` here (``distlab.needs`` turns it into one line) and the ranks stay up."""
+    return raise_if_unfinished(ranks.run(stop_at_stub, args=(train_worker,), kwargs=kwargs))

@@ -1,0 +1,101 @@
+"""`distlab grade` on a class: one result per student notebook and per exercise, ranked; pass/fail per notebook
+against a stated threshold; the exit status says whether every student (or --min-pass of them) passed; a
+blank, a wrong, a hanging and a correct notebook each reported for what it is."""
+
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import nbformat
+import pytest
+
+from distlab.notebooks import (DEFAULT_THRESHOLD, NotebookGrade, class_report, format_report, grade_notebooks,
+                               make_lab, student_names)
+
+REPO = Path(__file__).resolve().parents[1]
+pytestmark = [pytest.mark.usefixtures("no_leftover_ranks")]
+
+
+def _exercise(id_, status, points, max_points, detail=""):
+    return {"id": id_, "title": f"exercise {id_} with a rather long title to test the columns",
+            "status": status, "points": points, "max_points": max_points, "detail": detail}
+
+
+def _grades():
+    full = [_exercise("2.1", "passed", 3, 3), _exercise("2.2", "passed", 2, 2)]
+    half = [_exercise("2.1", "passed", 3, 3), _exercise("2.2", "failed", 0, 2, "rank 1, element 4: expected 2, got 8")]
+    blank = [_exercise("2.1", "not attempted", 0, 3), _exercise("2.2", "not run", 0, 2)]
+    return [NotebookGrade("s/bob/02_collectives.ipynb", "bob", half, seconds=12.0),
+            NotebookGrade("s/alice/02_collectives.ipynb", "alice", full, seconds=30.0),
+            NotebookGrade("s/zed-with-a-long-name/02_collectives.ipynb", "zed-with-a-long-name", blank,
+                          error="stopped after 60 s (its time limit) while cell 17 was running", seconds=60.0)]
+
+
+def test_report_ranks_students_and_exercises_and_states_the_threshold():
+    report = class_report(_grades())
+    assert report["threshold"] == DEFAULT_THRESHOLD == 1.0 and not report["ok"]
+    assert [(n["rank"], n["student"], n["passed"]) for n in report["notebooks"]] == [
+        (1, "alice", True), (2, "bob", False), (3, "zed-with-a-long-name", False)]
+    assert [(e["id"], e["passed"], e["failed"]) for e in report["exercises"]] == [("2.2", 1, 1), ("2.1", 2, 0)]
+    text = format_report(report)
+    assert "pass = at least 100% of the points (--threshold 1 (the default))" in text
+    assert "bob  2.2: rank 1, element 4: expected 2, got 8" in text
+    assert "1 of 3 notebook(s) passed the 100% threshold; every notebook must pass: not ok, exit status 1" in text
+    rows = [line for line in text.splitlines() if line[:4].strip().isdigit()]
+    assert len({line.index("pass") if "pass" in line else line.index("FAIL") for line in rows}) == 1  # aligned
+    lenient = class_report(_grades(), threshold=0.5, min_pass=2)
+    assert lenient["ok"] and lenient["notebooks_passed"] == 2
+    assert "at least 2 must pass (--min-pass): ok, exit status 0" in format_report(lenient)
+
+
+def test_students_are_named_by_folder_when_file_names_repeat():
+    assert student_names(["a/alice/02_x.ipynb", "a/bob/02_x.ipynb"]) == ["alice", "bob"]
+    assert student_names(["02_alice.ipynb", "02_bob.ipynb"]) == ["02_alice", "02_bob"]
+
+
+def _notebook(cells):
+    nb = nbformat.v4.new_notebook()
+    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    nb.cells = [nbformat.v4.new_code_cell(c) for c in cells]
+    return nb
+
+
+@pytest.mark.timeout(600)
+def test_blank_wrong_and_correct_notebooks(tmp_path):
+    """Lab 00's real notebooks: the generated lab (blank), the solution (correct) and the solution with exercise
+    0.2's body broken (wrong), graded together, two at a time. (A hanging one: the next test.)"""
+    solution = nbformat.read(REPO / "solutions" / "00_setup.ipynb", as_version=4)
+    kinds = {"blank": make_lab(solution), "correct": solution}
+    wrong = nbformat.from_dict(json.loads(json.dumps(solution)))
+    for cell in wrong.cells:
+        cell.source = cell.source.replace("return total / dist.get_world_size()", "return total")
+    kinds["wrong"] = wrong
+    for name, nb in kinds.items():
+        (tmp_path / name).mkdir()
+        nbformat.write(nb, tmp_path / name / "00_setup.ipynb")
+    paths = [tmp_path / name / "00_setup.ipynb" for name in kinds]
+    result = subprocess.run([sys.executable, "-m", "distlab", "grade", *map(str, paths), "--timeout", "400", "--jobs",
+                             "2", "--json", str(tmp_path / "class.json")], capture_output=True, text=True, timeout=580)
+    report = json.loads((tmp_path / "class.json").read_text())
+    by = {n["student"]: n for n in report["notebooks"]}
+    assert result.returncode == 1 and report["notebooks_passed"] == 1, result.stdout + result.stderr
+    assert by["correct"]["passed"] and by["correct"]["rank"] == 1 and by["correct"]["cell_errors"] == []
+    assert {e["status"] for e in by["blank"]["exercises"]} == {"not attempted"} and by["blank"]["error"] is None
+    failed = {e["id"]: e for e in by["wrong"]["exercises"] if e["status"] == "failed"}
+    assert list(failed) == ["0.2"] and "divide by the world size" in failed["0.2"]["detail"]
+    assert "wrong  0.2: rank 0, element 0" in result.stdout
+
+
+@pytest.mark.timeout(120)
+def test_a_hanging_notebook_is_stopped_at_its_time_limit_and_the_kernel_is_ended(tmp_path):
+    """One spins in the kernel, one blocks in a rank that never returns; a quick one beside them still counts."""
+    spin, block, quick = tmp_path / "00_spin.ipynb", tmp_path / "00_block.ipynb", tmp_path / "00_quick.ipynb"
+    nbformat.write(_notebook(["x = 1", "while True:\n    pass", "y = 2"]), spin)
+    nbformat.write(_notebook(["import distlab, time", "distlab.launch(lambda: time.sleep(3600), 2)"]), block)
+    nbformat.write(_notebook(["import distlab\ndistlab.check('Q0.2', 36)"]), quick)
+    grades = grade_notebooks([spin, block, quick], timeout=8, jobs=3)
+    assert [g.error for g in grades[:2]] == [f"stopped after 8 s (its time limit) while cell {i} was running"
+                                             for i in (1, 1)]
+    assert all(g.seconds < 60 and {e["status"] for e in g.exercises} == {"not run"} for g in grades[:2])
+    assert grades[2].error is None and grades[2].points == 1

@@ -1,0 +1,52 @@
+"""The quizzes of labs 00-03: every answer is what distlab's own functions compute, a wrong answer fails with
+the hint that points back to the lab, and a blank one is 'not attempted'."""
+
+import math
+
+import pytest
+
+from distlab import collectives as C
+from distlab import memory
+from distlab.flops import mfu
+from distlab.grading import lab00, lab01, lab02, lab03
+from distlab.grading.quiz import CheckFailed
+
+ANSWERS = {
+    # lab 00: ranks on nodes of 8 GPUs; a sum over ranks; the comm table's 2(N-1)/N * M
+    "Q0.1": 11 % 8, "Q0.2": sum(r + 1 for r in range(8)), "Q0.3": "b",
+    "Q0.4": C.ring_all_reduce_bytes(1000 * 4, 4), "Q0.5": "b",
+    # lab 01: distlab.memory is the source of truth
+    "Q1.1": memory.bytes_per_param(0, 1).total, "Q1.2": memory.bytes_per_param(3, 64).total,
+    "Q1.3": round(memory.bytes_per_param(1, 10**12).total, 6),
+    "Q1.4": round(memory.PRESETS["70B"].memory(64, 3).states / memory.GiB, 2),
+    "Q1.5": memory.activation_bytes_per_layer(1, 1, 1, 1, checkpointing=True), "Q1.6": "c",
+    # lab 02: the cost models
+    "Q2.1": C.ring_all_reduce_bytes(1e9, 8) / 1e9, "Q2.2": C.ring_all_reduce_time(7e9 * 2, 8, 0.0, 450e9) * 1e3,
+    "Q2.3": "b", "Q2.4": C.crossover_bytes(4, 10e-6, 100e9) / 1e6, "Q2.5": C.tree_steps(1024), "Q2.6": "c",
+    # lab 03
+    "Q3.1": C.ring_all_reduce_bytes(7e9 * 2, 8) / 1e9, "Q3.2": 4, "Q3.3": math.ceil(30 / 25), "Q3.4": "b",
+    "Q3.5": mfu(6 * 7e9, 3000, 989e12), "Q3.6": "d",
+}
+QUIZ = {q.id: q for module in (lab00, lab01, lab02, lab03) for q in module.QUIZ}
+
+
+def test_every_lab_has_at_least_five_questions_and_all_are_answered_here():
+    for module in (lab00, lab01, lab02, lab03):
+        assert len(module.QUIZ) >= 5 and all(q.is_quiz for q in module.QUIZ)
+        assert set(q.id for q in module.QUIZ) <= set(e.id for e in module.EXERCISES)
+    assert set(QUIZ) == set(ANSWERS)
+
+
+@pytest.mark.parametrize("question_id", sorted(ANSWERS))
+def test_the_answer_computed_by_distlab_is_accepted(question_id):
+    assert QUIZ[question_id].checker(ANSWERS[question_id]) == "correct"
+
+
+@pytest.mark.parametrize("question_id", sorted(ANSWERS))
+def test_a_wrong_answer_fails_with_a_hint_and_a_blank_is_not_attempted(question_id):
+    right = ANSWERS[question_id]
+    wrong = ("a" if right != "a" else "b") if isinstance(right, str) else right * 3 + 1
+    with pytest.raises(CheckFailed, match=r"is not right: .*(section|exercise|'|chapter)"):
+        QUIZ[question_id].checker(wrong)
+    with pytest.raises(NotImplementedError):
+        QUIZ[question_id].checker(...)

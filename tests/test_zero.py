@@ -1,0 +1,426 @@
+"""Lab 04: every ZeRO stage equals single-process training and PyTorch's own (ZeroRedundancyOptimizer, FSDP2),
+holds the bytes the formulas say, moves the bytes the ring model says, handles padding, frozen, unused and tied
+parameters, rejects plans that cannot work before any rank starts, and the checkers pass the reference while
+explaining typical mistakes."""
+
+import time
+
+import pytest
+import torch
+import torch.distributed as dist
+import torch.nn as nn
+from processes import rank_processes
+
+import distlab
+from distlab.data_parallel import reference_run
+from distlab.grading import CheckFailed, lab04
+from distlab.memory import bytes_per_param
+from distlab.model import GPT, Block, GPTConfig
+from distlab.reference import max_abs_diff
+from distlab.zero import (FlatLayout, alloc_storage, assign_params, checkpoint_module, free_storage,
+                          mixed_precision_step, plan_units, reduce_scatter_grads, reshard, train, train_worker,
+                          unshard, validate)
+
+pytestmark = [pytest.mark.timeout(180)]
+
+CFG = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32)
+STEPS, BATCH = 3, 12  # 12 rows: 3 per rank on 4 ranks, 4 on 3
+
+
+@pytest.fixture(scope="module")
+def ranks():
+    """Warm groups of 4 and 2 ranks (the checkers' too); none may outlive the module."""
+    yield {4: distlab.Ranks.shared(4), 2: distlab.Ranks.shared(2)}
+    distlab.shutdown()
+    deadline = time.monotonic() + 5
+    while rank_processes() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not rank_processes(), "rank processes left behind"
+
+
+def _worst(run, ref):
+    return max(max_abs_diff(out["state"], ref["state"]) for out in run)
+
+
+# ---------------------------------------------------------------- single process pieces
+
+def test_flat_layout_pads_to_equal_shards_and_views_each_parameter():
+    params = [torch.zeros(3, 5), torch.zeros(2), torch.zeros(1)]  # 18 elements; a 1-element "bias"
+    layout = FlatLayout(params, 4)
+    assert (layout.numel, layout.shard_numel, layout.padded_numel, layout.padding) == (18, 5, 20, 2)
+    flat = layout.flatten([torch.ones(3, 5), None, torch.full((1,), 7.0)])
+    assert flat.tolist() == [1.0] * 15 + [0.0, 0.0, 7.0, 0.0, 0.0]
+    assert [v.shape for v in layout.views(flat)] == [(3, 5), (2,), (1,)]
+    assert layout.shard(flat, 2).tolist() == [1.0] * 5 and layout.shard(flat, 3).tolist() == [0, 0, 7, 0, 0]
+    # (the 3x5 weight straddles shards 0-2: sharding is elementwise, so that is fine)
+    assert FlatLayout(params, 32).shard_numel == 1  # more ranks than elements: padding only
+    with pytest.raises(ValueError, match="at least one parameter"):
+        FlatLayout([], 2)
+
+
+def test_storage_is_freed_and_refilled_under_live_views():
+    full = torch.arange(6.0)
+    view = full[2:5]
+    free_storage(full)
+    assert full.untyped_storage().nbytes() == 0 and view.shape == (3,)
+    alloc_storage(full)
+    full.copy_(torch.arange(6.0) * 2)
+    assert view.tolist() == [4.0, 6.0, 8.0]
+
+
+def test_wrap_plans_that_cannot_work_fail_before_any_rank_starts():
+    model = GPT(CFG)
+    assert [name for name, _ in plan_units(model, (Block,))] == ["", "blocks.0", "blocks.1"]
+    assert [name for name, _ in plan_units(model, ())] == [""]
+    with pytest.raises(ValueError, match="ModuleList is a container that is never called"):
+        plan_units(model, (nn.ModuleList,))
+    with pytest.raises(ValueError, match=r"contains no module of that class \(it has: .*Block"):
+        plan_units(model, (nn.Conv2d,))
+    with pytest.raises(ValueError, match="must list nn.Module classes"):
+        plan_units(model, ("Block",))
+    for kwargs, message in [(dict(batch_size=10), "not divisible by world_size=4"),
+                            (dict(shard_size=3), "shard_size=3 must be a positive divisor of world_size=4"),
+                            (dict(stage=4), "expected 0 \\(DDP\\), 1, 2 or 3"),
+                            (dict(stage=2, impl="torch"), "impl='torch' exists for stage 1"),
+                            (dict(wrap="layer"), "wrap='layer'"),
+                            (dict(stage=0, shard_size=2), "DDP \\(stage 0\\) shards nothing")]:
+        with pytest.raises(ValueError, match=message):
+            validate(4, **{"stage": 3, "batch_size": 8, **kwargs})
+
+
+def test_a_tied_weight_belongs_to_the_unit_enclosing_both_uses():
+    model = GPT(CFG)
+    names = ["", "tok_emb", "lm_head", "blocks.0"]
+    owned = assign_params(model, names)
+    assert any(p is model.tok_emb.weight for p in owned[0])  # used by tok_emb and lm_head: the root
+    assert owned[1] == [] and owned[2] == []
+    assert {id(p) for p in owned[3]} == {id(p) for p in model.blocks[0].parameters()}
+
+
+def test_mixed_precision_step_accumulates_below_bf16_resolution():
+    master = [torch.ones(4)]
+    param = [master[0].to(torch.bfloat16)]
+    opt = torch.optim.SGD(master, lr=1.0)
+    for _ in range(100):
+        param[0].grad = torch.full((4,), 1e-4, dtype=torch.bfloat16)
+        mixed_precision_step(param, master, opt)
+    assert param[0].dtype == torch.bfloat16 and master[0].dtype == torch.float32
+    assert master[0][0].item() == pytest.approx(0.99, abs=1e-4)  # 1 + 1e-4 rounds back to 1 in bf16
+    assert torch.equal(param[0], master[0].to(torch.bfloat16)) and param[0].grad is None
+
+
+def test_checkpoint_module_keeps_names_gradients_and_saves_memory():
+    from distlab.memory import ActivationMeter
+    from distlab.model import synthetic_batch
+
+    x, y = synthetic_batch(CFG, 4, 0)
+    plain, ckpt = GPT(CFG), GPT(CFG)
+    for block in ckpt.blocks:
+        checkpoint_module(block)
+    sizes = []
+    for model in (plain, ckpt):
+        with ActivationMeter(model) as meter:
+            loss = model(x, y)[1]
+        loss.backward()
+        sizes.append(meter.bytes)
+    assert sizes[1] < sizes[0] / 2
+    assert [n for n, _ in plain.named_parameters()] == [n for n, _ in ckpt.named_parameters()]
+    assert all(torch.allclose(a.grad, b.grad, atol=1e-7) for a, b in zip(plain.parameters(), ckpt.parameters()))
+
+
+# ---------------------------------------------------------------- every stage on real ranks
+
+def test_every_stage_and_pytorch_equal_single_process_with_ddp_or_one_and_a_half_times_its_bytes(ranks):
+    ref = reference_run(CFG, steps=STEPS, batch_size=BATCH, lr=0.1)
+    grad = 4 * sum(p.numel() for p in GPT(CFG).parameters())
+    ddp = 2 * 3 / 4 * grad
+    runs = {}
+    for stage, impl in [(0, "scratch"), (1, "scratch"), (2, "scratch"), (3, "scratch"), (1, "torch"), (3, "torch")]:
+        run = ranks[4].run(train_worker, kwargs=dict(stage=stage, impl=impl, cfg=CFG, steps=STEPS, batch_size=BATCH,
+                                                     bucket_cap_bytes=8192), show_output=False)
+        runs[stage, impl] = run
+        name, diff = _worst(run, ref)
+        assert diff <= 1e-6, (stage, impl, name, diff)
+    wire = {key: sum(row["wire"] for row in run[0]["comm"].values()) for key, run in runs.items()}
+    for stage in (0, 1, 2):
+        assert wire[stage, "scratch"] == pytest.approx(ddp, rel=1e-6), stage
+    assert wire[3, "scratch"] == pytest.approx(1.5 * ddp, rel=0.01)
+    assert runs[3, "scratch"][0]["comm"]["all_gather"]["calls"] == 6  # 3 units (root + 2 blocks), twice
+    assert set(runs[3, "torch"][0]["comm"]) == {"all_gather", "reduce_scatter"}  # FSDP2's collectives are counted
+    assert set(runs[1, "scratch"][0]["comm"]) == {"reduce_scatter", "all_gather"}
+
+
+def test_edge_cases_padding_frozen_unused_tied_and_world_size_one(ranks):
+    cfg = GPTConfig(vocab_size=47, seq_len=8, n_layer=2, n_head=2, d_model=10, tied_embeddings=True)
+    assert FlatLayout(list(GPT(cfg).blocks[0].parameters()), 4).padding == 2  # d_model = 2 mod 4: padded shards
+    ref = reference_run(cfg, steps=2, batch_size=8, lr=0.1, model="edge")
+    for stage in range(4):
+        run = ranks[4].run(train_worker, kwargs=dict(stage=stage, cfg=cfg, steps=2, batch_size=8, model="edge",
+                                                     bucket_cap_bytes=1024), show_output=False)
+        assert _worst(run, ref)[1] <= 1e-6, stage
+        assert run[0]["state"]["gpt.pos_emb.weight"].equal(ref["state"]["gpt.pos_emb.weight"])  # frozen, gathered
+    one = distlab.launch(train_worker, 1, kwargs=dict(stage=3, cfg=cfg, steps=2, batch_size=8, model="edge"),
+                         show_output=False)
+    assert _worst(one, ref)[1] <= 1e-6
+
+
+def _bytes_per_param(dtype):
+    """On a rank: one AdamW step per stage, the bytes held per parameter."""
+    runs = [train_worker(stage=stage, cfg=CFG, steps=1, batch_size=4, optimizer="adamw", lr=1e-3, dtype=dtype,
+                         measure_state=True, return_state=False, bucket_cap_bytes=8192) for stage in range(4)]
+    return [sum(r["state_bytes"].values()) / r["n_params"] for r in runs]
+
+
+def test_state_bytes_match_the_formulas_mixed_and_fp32(ranks):
+    for dtype, precision in (("bf16", "mixed"), (None, "fp32")):
+        for measured in ranks[2].run(_bytes_per_param, args=(dtype,), show_output=False):
+            formula = [bytes_per_param(stage, 2, precision).total for stage in range(4)]
+            assert measured == pytest.approx(formula, rel=0.02), dtype
+
+
+def test_hsdp_matches_fsdp2_hybrid_and_splits_traffic_by_axis(ranks):
+    ref = reference_run(CFG, steps=2, batch_size=8, lr=0.1)
+    runs = [ranks[4].run(train_worker, kwargs=dict(stage=3, impl=impl, cfg=CFG, steps=2, batch_size=8, shard_size=2,
+                                                   measure_state=impl == "scratch"), show_output=False)
+            for impl in ("scratch", "torch")]
+    for run in runs:
+        assert _worst(run, ref)[1] <= 1e-6
+    comm = runs[0][0]["comm"]
+    params = 4 * sum(p.numel() for p in GPT(CFG).parameters())
+    assert comm["all_gather"]["wire"] == pytest.approx(2 * 0.5 * params)  # inside the "node": 2 ranks
+    assert comm["all_reduce"]["payload"] == pytest.approx(params / 2)  # across nodes: only the shard
+    per_param = sum(runs[0][0]["state_bytes"].values()) / runs[0][0]["n_params"]
+    assert per_param == pytest.approx((4 + 4) / 2, rel=0.02)  # fp32 SGD: weights and gradients split over the node
+
+
+def test_per_block_wrap_prefetch_checkpointing_and_adamw(ranks):
+    cfg = GPTConfig(vocab_size=64, seq_len=16, n_layer=4, n_head=2, d_model=32)
+    ref = reference_run(cfg, steps=2, batch_size=8, optimizer="adamw", lr=1e-3)
+    peaks = {}
+    for name, kwargs in {"block": {}, "model": dict(wrap="model"),
+                         "prefetch": dict(prefetch=True, trace=True, checkpointing=True)}.items():
+        run = ranks[4].run(train_worker, kwargs=dict(stage=3, cfg=cfg, steps=2, batch_size=8, optimizer="adamw",
+                                                     lr=1e-3, **kwargs), show_output=False)
+        assert _worst(run, ref)[1] <= 1e-5  # Adam amplifies fp32 rounding (lab 03)
+        peaks[name] = run[0]["peak_param_bytes"]
+        if name == "prefetch":  # the next block's all-gather starts inside this block's forward
+            forward = [s for s in run.spans if s.rank == 0 and s.label.startswith("forward blocks")]
+            gathers = [s for s in run.spans if s.rank == 0 and s.label.startswith("all_gather")]
+            assert any(f.start < g.start < f.end for f in forward for g in gathers)
+    assert peaks["block"] < peaks["prefetch"] < peaks["model"]  # prefetch holds one more block
+
+
+def test_mixed_precision_close_to_fp32_and_fsdp2_sends_bf16_params_fp32_grads(ranks):
+    ref = reference_run(CFG, steps=2, batch_size=8, lr=0.1)
+    ours = ranks[4].run(train_worker, kwargs=dict(stage=3, cfg=CFG, steps=2, batch_size=8, dtype="bf16"),
+                        show_output=False)
+    fsdp2 = ranks[4].run(train_worker, kwargs=dict(stage=3, impl="torch", cfg=CFG, steps=2, batch_size=8,
+                                                   dtype="bf16"), show_output=False)
+    assert _worst(ours, ref)[1] < 2e-3 and max_abs_diff(ours[0]["state"], fsdp2[0]["state"])[1] < 2e-3
+    n = sum(p.numel() for p in GPT(CFG).parameters())
+    comm = ours[0]["comm"]
+    assert comm["all_gather"]["payload"] == pytest.approx(2 * 2 * n, rel=0.01)  # twice, 2 bytes per parameter
+    assert comm["reduce_scatter"]["payload"] == pytest.approx(4 * n, rel=0.01)  # once, in fp32
+
+
+def test_train_entry_point_and_bad_input_inside_ranks(ranks):
+    run = ranks[4].run(train, kwargs=dict(steps=2, warmup=0, stage=3, batch_size=1, n_layer=1, d_model=32,
+                                          seq_len=16, vocab_size=64), show_output=False)
+    assert [r["rank"] for r in run] == [0, 1, 2, 3] and run[0]["stage"] == "ZeRO-3"
+    assert run[0]["tokens_per_s"] > 0 and set(run[0]["comm_bytes_per_step"]) == {"all_gather", "reduce_scatter"}
+
+    def bad_mesh():
+        try:
+            train(steps=1, stage=3, shard_size=3)
+        except ValueError as error:  # raised on every rank before any collective; caught to keep the ranks warm
+            return str(error)
+
+    assert all("shard_size=3 must be a positive divisor" in out for out in ranks[4].run(bad_mesh, show_output=False))
+
+
+# ---------------------------------------------------------------- checkers
+
+class ShardedSGD:
+    """A student's ZeRO-1 (the notebook's answer) for the checker tests; subclasses make the usual mistakes."""
+
+    def __init__(self, params, optimizer_class, **defaults):
+        self.world, self.rank = dist.get_world_size(), dist.get_rank()
+        self.optimizer_class, self.defaults, self.optim, self.flats = optimizer_class, defaults, None, []
+        groups = list(params)
+        for group in groups if isinstance(groups[0], dict) else [{"params": groups}]:
+            self.add_param_group(group)
+
+    def shards(self):
+        return self.world
+
+    def add_param_group(self, group):
+        params = [p for p in group["params"] if p.requires_grad]
+        layout = FlatLayout(params, self.shards())
+        flat = layout.flatten([p.detach() for p in params])
+        for p, view in zip(params, layout.views(flat)):
+            p.data = view
+        shard = layout.shard(flat, self.rank % self.shards())
+        options = dict({k: v for k, v in group.items() if k != "params"}, params=[shard])
+        if self.optim is None:
+            self.optim = self.optimizer_class([options], **self.defaults)
+        else:
+            self.optim.add_param_group(options)
+        self.flats.append((layout, flat, shard))
+
+    def zero_grad(self, set_to_none=True):
+        for layout, _, shard in self.flats:
+            shard.grad = None
+            for p in layout.params:
+                p.grad = None
+
+    @torch.no_grad()
+    def step(self):
+        for layout, flat, shard in self.flats:
+            shard.grad = self.average(layout.flatten([p.grad for p in layout.params], dtype=torch.float32))
+        self.optim.step()
+        for layout, flat, shard in self.flats:
+            self.gather(flat, shard)
+
+    def average(self, grads):
+        shard = torch.empty(grads.numel() // self.world)
+        dist.reduce_scatter_tensor(shard, grads)
+        return shard / self.world
+
+    def gather(self, flat, shard):
+        dist.all_gather_into_tensor(flat, shard.clone())
+
+
+class AllReduceSGD(ShardedSGD):
+    def average(self, grads):  # the full gradient everywhere, then the shard: 1.5x DDP's bytes with the gather
+        dist.all_reduce(grads)
+        return (grads / self.world)[self.rank * (grads.numel() // self.world):][:grads.numel() // self.world]
+
+
+class SummedSGD(ShardedSGD):
+    def average(self, grads):
+        return super().average(grads) * self.world
+
+
+class ReplicatedStateSGD(ShardedSGD):
+    """Every rank steps everything: DDP with a flat buffer, no sharding of the state."""
+
+    def shards(self):
+        return 1
+
+    def average(self, grads):
+        dist.all_reduce(grads)
+        return grads / self.world
+
+    def gather(self, flat, shard):
+        pass
+
+
+@torch.no_grad()
+def reduce_in_bf16(flat):
+    grads = flat.layout.flatten([p.grad for p in flat.params])  # the parameters' dtype: bf16 sums
+    shard = torch.empty(flat.layout.shard_numel, dtype=grads.dtype)
+    dist.reduce_scatter_tensor(shard, grads)
+    flat.grad_shard = (shard / dist.get_world_size()).to(flat.dtype)
+    for p in flat.params:
+        p.grad = None
+
+
+@torch.no_grad()
+def keeps_full_grads(flat):
+    grads = flat.layout.flatten([p.grad for p in flat.params], dtype=torch.float32)
+    shard = torch.empty(flat.layout.shard_numel)
+    dist.reduce_scatter_tensor(shard, grads)
+    flat.grad_shard = (shard / dist.get_world_size()).to(flat.dtype)
+
+
+def never_frees(flat):
+    pass
+
+
+def gathers_without_allocating(flat):
+    dist.all_gather_into_tensor(flat.full, flat.local)
+
+
+def test_checkers_pass_the_reference_and_explain_mistakes(ranks):
+    assert "1/N of the state" in lab04.check_sharded_optimizer(ShardedSGD)
+    with pytest.raises(CheckFailed, match=r"1\.50× what DDP's all-reduce sends .*reduce-scatter the gradients"):
+        lab04.check_sharded_optimizer(AllReduceSGD)
+    with pytest.raises(CheckFailed, match="by a factor of [234].00: gradients summed but not divided by world size"):
+        lab04.check_sharded_optimizer(SummedSGD)
+    with pytest.raises(CheckFailed, match="optimizer holds momentum for 100% of the parameters"):
+        lab04.check_sharded_optimizer(ReplicatedStateSGD)
+    assert "fp32" in lab04.check_zero2(reduce_scatter_grads)
+    with pytest.raises(CheckFailed, match="carried 2 bytes per element, so the gradients were summed in bf16"):
+        lab04.check_zero2(reduce_in_bf16)
+    with pytest.raises(CheckFailed, match="still holds 5 full gradient"):
+        lab04.check_zero2(keeps_full_grads)
+    assert "1.5× DDP's bytes" in lab04.check_zero3(unshard, reshard)
+    with pytest.raises(CheckFailed, match="still holds .* bytes of gathered parameters .*reshard must free"):
+        lab04.check_zero3(unshard, never_frees)
+
+
+def test_single_process_checkers_and_stubs():
+    from torch.utils.checkpoint import checkpoint
+
+    assert "fp32 masters" in lab04.check_mixed_precision(mixed_precision_step)
+
+    @torch.no_grad()
+    def steps_in_bf16(params, masters, optimizer):  # forgets the masters
+        for p in params:
+            p.sub_(1e-3 * p.grad)
+            p.grad = None
+
+    with pytest.raises(CheckFailed, match="the master never moved: copy each p.grad"):
+        lab04.check_mixed_precision(steps_in_bf16)
+    assert "one recompute" in lab04.check_checkpointing(checkpoint_module)
+
+    def reentrant(module):
+        forward = module.forward
+        module.forward = lambda *args: checkpoint(forward, *args, use_reentrant=True)
+
+    def nothing(module):
+        return module
+
+    with pytest.raises(CheckFailed, match="as many as without checkpointing"):
+        lab04.check_checkpointing(nothing)
+    with pytest.raises(CheckFailed, match="does not require grad any more: reentrant checkpointing"):
+        lab04.check_checkpointing(reentrant)
+
+    def stub(*args):
+        raise NotImplementedError("Exercise 4.4: replace this line with your solution")
+
+    for exercise in ("4.4", "4.5"):
+        assert distlab.check(exercise, stub, quiet=True).status == "not attempted"
+    assert [e.id for e in lab04.EXERCISES][:5] == ["4.1", "4.2", "4.3", "4.4", "4.5"]
+    assert len(lab04.QUESTIONS) >= 5 and distlab.check("Q4.2", 1.5, quiet=True).status == "passed"
+
+
+def test_stubs_inside_ranks_are_not_attempted(ranks):
+    def stub(flat):
+        raise NotImplementedError("Exercise 4.2: replace this line with your solution")
+
+    assert distlab.check("4.2", stub, quiet=True).status == "not attempted"
+    assert distlab.check("4.3", stub, stub, quiet=True).status == "not attempted"
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_one_gpu_runs_every_stage_with_nccl_cuda_memory_and_bf16():
+    from distlab.zero import compute_dtype
+
+    ref = reference_run(CFG, steps=2, batch_size=4, lr=0.1)
+    for stage, impl in [(0, "scratch"), (1, "scratch"), (2, "scratch"), (3, "scratch"), (3, "torch")]:
+        run = distlab.launch(train_worker, 1, backend="nccl", show_output=False,
+                             kwargs=dict(stage=stage, impl=impl, cfg=CFG, steps=2, batch_size=4, measure_peak=True))
+        assert run.backend == "nccl" and _worst(run, ref)[1] <= 1e-4, (stage, impl)  # GPU kernels round differently
+        assert run[0]["peak_memory"][1] == "torch.cuda.max_memory_allocated" and run[0]["peak_memory"][0] > 0
+    dtype, why = compute_dtype(torch.device("cuda", 0))
+    if dtype == torch.bfloat16:
+        run = distlab.launch(train_worker, 1, backend="nccl", show_output=False,
+                             kwargs=dict(stage=3, cfg=CFG, steps=2, batch_size=4, dtype="bf16"))
+        assert _worst(run, ref)[1] < 2e-3, why
+
+
+def test_writing_into_freed_storage_is_explained_last(ranks):
+    """Last in the module: the failing job ends the warm group (a segfault or a storage error in every rank)."""
+    with pytest.raises(CheckFailed, match="storage was freed .*allocate flat.full's storage"):
+        lab04.check_zero3(gathers_without_allocating, reshard)
