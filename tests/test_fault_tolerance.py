@@ -183,6 +183,7 @@ def test_young_daly_and_the_llama3_failure_rate():
     plan = plan_cadence(16_384, 60, restart_seconds=600)
     assert plan.interval_minutes == pytest.approx(young_interval(60, plan.mtbf_hours * 3600) / 60)
     assert plan.lost_minutes_per_failure == pytest.approx(plan.interval_minutes / 2 + 10)
+    assert plan_cadence(16_384, 0.01, write_seconds=120).interval_minutes == 2  # an async write bounds it
     with pytest.raises(ValueError, match="checkpoint_cost"):
         young_interval(0, 10)
 

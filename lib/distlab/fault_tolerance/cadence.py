@@ -88,7 +88,7 @@ class Cadence:
     mtbf_hours: float
     checkpoint_seconds: float
     restart_seconds: float
-    interval_minutes: float  # Young's
+    interval_minutes: float  # Young's, or the async write time if longer
     daly_minutes: float
     lost_minutes_per_failure: float
     waste: float  # at Young's interval
@@ -101,10 +101,15 @@ class Cadence:
 
 
 def plan_cadence(n_gpus: int, checkpoint_seconds: float, restart_seconds: float = 600.0,
-                 record: FailureRecord = LLAMA3) -> Cadence:
-    """The checkpoint cadence for a job on ``n_gpus``, failure rate scaled from ``record``."""
+                 record: FailureRecord = LLAMA3, write_seconds: float = 0.0) -> Cadence:
+    """The checkpoint cadence for a job on ``n_gpus``, failure rate scaled from ``record``.
+
+    ``write_seconds`` is how long an async save keeps writing after its stall: the next
+    save waits for it, so checkpointing more often than that only turns the write back
+    into a stall. The interval is Young's, but never shorter than the write.
+    """
     mtbf_s = job_mtbf_hours(n_gpus, record) * 3600
-    tau = young_interval(checkpoint_seconds, mtbf_s)
+    tau = max(young_interval(checkpoint_seconds, mtbf_s), write_seconds)
     return Cadence(n_gpus, mtbf_s / 3600, checkpoint_seconds, restart_seconds, tau / 60,
                    daly_interval(checkpoint_seconds, mtbf_s) / 60, expected_lost_work(tau, restart_seconds) / 60,
                    waste_fraction(tau, checkpoint_seconds, mtbf_s, restart_seconds))
