@@ -50,7 +50,7 @@ def ranks_end_with_the_module():
 
 
 def _ranks(n):
-    return distlab.Ranks.shared(n, "gloo", 5.0)  # the checkers' groups
+    return distlab.Ranks.shared(n)  # the checkers' (and the notebook's) groups
 
 
 def _single_process_checkpoint(root, step=3, cfg=CFG):
@@ -304,6 +304,6 @@ def test_a_hung_rank_is_named_by_the_watchdog():
             train_step_ddp(setup, setup.order.next_batch())
 
     with pytest.raises(CollectiveTimeout) as info:
-        _ranks(4).run(job, show_output=False)
+        distlab.launch(job, 4, collective_timeout=2, show_output=False)
     assert info.value.kind == "mismatch" and info.value.waiting[2] == "recv"
     assert hang_suspects(info.value, 4) == [2]
