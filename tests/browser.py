@@ -16,7 +16,9 @@ import json
 import os
 import re
 import secrets
+import shlex
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -26,6 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
+from processes import alive
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser")  # matched to chromedriver by the distribution
 
@@ -36,7 +39,8 @@ CHROMIUM_NAMES = ("chromium", "chromium-browser")  # matched to chromedriver by 
 CHROMIUM_FLAGS = (
     "--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-usage", "--no-first-run",
     "--no-default-browser-check", "--disable-background-networking", "--disable-component-update",
-    "--disable-sync", "--disable-extensions", "--no-proxy-server", "--window-size=1400,1000",
+    "--disable-sync", "--disable-extensions", "--disable-crash-reporter", "--no-proxy-server",
+    "--window-size=1400,1000",
 )
 
 KERNEL_NAME = "Python 3 (distlab)"  # the display name of the kernelspec JupyterLab gets, shown in its toolbar
@@ -59,16 +63,36 @@ def find_chromium() -> tuple[str | None, str | None]:
 
 
 def stop_processes(procs: list[psutil.Process], grace: float = 10.0) -> list[psutil.Process]:
-    """Terminate `procs`, then kill those that ignore it; returns any still alive after both."""
-    alive = procs
+    """Terminate `procs`, then kill those that ignore it; returns any still alive after both.
+
+    A zombie counts as ended: it runs nothing, and one whose parent already exited waits for an
+    init that reaps it (a container's PID 1 may never do so, and psutil would wait for it in vain).
+    """
+    running = procs
     for stop in (psutil.Process.terminate, psutil.Process.kill):
-        for proc in alive:
+        for proc in running:
             try:
                 stop(proc)
             except psutil.NoSuchProcess:
                 pass
-        _, alive = psutil.wait_procs(alive, timeout=grace)
-    return alive
+        deadline = time.monotonic() + grace
+        while running and time.monotonic() < deadline:
+            _, running = psutil.wait_procs(running, timeout=0.2)  # reaps those that are our children
+            running = [proc for proc in running if alive(proc)]
+    return running
+
+
+def _end_with_parent() -> None:
+    """In the child before exec: SIGKILL it when the test process dies, even by SIGKILL (Linux).
+
+    Teardown ends everything on a normal or failed exit; this covers a test run that is killed
+    outright (a CI job's time limit). SIGKILL because a JupyterLab told to stop can hang in its
+    shutdown; its kernels exit by themselves when their server is gone (ipykernel polls its parent).
+    """
+    if sys.platform == "linux":
+        import ctypes
+
+        ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # 1 = PR_SET_PDEATHSIG
 
 
 def process_tree(root: psutil.Process) -> list[psutil.Process]:
@@ -135,7 +159,7 @@ class JupyterLab:
             command.append("--ServerApp.allow_root=True")  # CI containers run as root
         with open(self.log_path, "wb") as log:
             self.proc = psutil.Popen(command, cwd=self.root_dir, env=env, stdin=subprocess.DEVNULL,
-                                     stdout=log, stderr=subprocess.STDOUT)
+                                     stdout=log, stderr=subprocess.STDOUT, preexec_fn=_end_with_parent)
         try:
             self._wait_until_serving()
         except BaseException:
@@ -217,18 +241,31 @@ class Chromium:
 
         self.home.mkdir(parents=True, exist_ok=True)
         options = webdriver.ChromeOptions()
-        options.binary_location = self.browser
+        options.binary_location = self._browser_ending_with_chromedriver()
         for flag in CHROMIUM_FLAGS:
             options.add_argument(flag)
         options.add_argument(f"--user-data-dir={self.home / 'profile'}")
         # Given both paths, selenium never runs selenium-manager (which would try to download a driver).
-        self._service = Service(executable_path=self.chromedriver, log_output=str(self.log_path))
+        self._service = Service(executable_path=self.chromedriver, log_output=str(self.log_path),
+                                popen_kw={"preexec_fn": _end_with_parent})
         try:
             self.driver = webdriver.Chrome(options=options, service=self._service)
         except BaseException:
             self.__exit__(None, None, None)  # a chromedriver that started must not outlive the failure
             raise
         return self
+
+    def _browser_ending_with_chromedriver(self) -> str:
+        """The browser, started through `setpriv --pdeathsig` where util-linux has it, so that a
+        test run killed outright (chromedriver then dies by `_end_with_parent`) takes Chromium
+        with it instead of leaving it orphaned; SIGTERM lets Chromium end its own helpers."""
+        setpriv = shutil.which("setpriv")
+        if not setpriv:
+            return self.browser
+        wrapper = self.home / "chromium"
+        wrapper.write_text(f'#!/bin/sh\nexec {shlex.quote(setpriv)} --pdeathsig TERM {shlex.quote(self.browser)} "$@"\n')
+        wrapper.chmod(0o755)
+        return str(wrapper)
 
     def __exit__(self, *exc_info) -> None:
         process = getattr(self._service, "process", None)
