@@ -263,7 +263,8 @@ class Chromium:
         if not setpriv:
             return self.browser
         wrapper = self.home / "chromium"
-        wrapper.write_text(f'#!/bin/sh\nexec {shlex.quote(setpriv)} --pdeathsig TERM {shlex.quote(self.browser)} "$@"\n')
+        command = f"exec {shlex.quote(setpriv)} --pdeathsig TERM {shlex.quote(self.browser)}"
+        wrapper.write_text(f'#!/bin/sh\n{command} "$@"\n')
         wrapper.chmod(0o755)
         return str(wrapper)
 
