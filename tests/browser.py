@@ -311,13 +311,20 @@ class NotebookPage:
 
     @contextmanager
     def screenshot_on_failure(self):
-        """A failed assertion in the block saves the page and names the screenshot in its message."""
+        """A failure in the block (an assertion, or selenium losing an element or the browser)
+        saves the page and names the screenshot in its message."""
         try:
             yield
-        except AssertionError as failure:
+        except Exception as failure:
             if "screenshot:" in str(failure):  # wait_for took one already
                 raise
-            raise AssertionError(f"{failure}\nscreenshot: {self.screenshot('failure')}") from None
+            try:
+                shot = self.screenshot("failure")
+            except Exception as why:  # a browser that crashed takes no screenshot
+                shot = f"none ({type(why).__name__})"
+            what = str(failure) if isinstance(failure, AssertionError) else f"{type(failure).__name__}: {failure}"
+            cause = None if isinstance(failure, AssertionError) else failure
+            raise AssertionError(f"{what}\nscreenshot: {shot}") from cause
 
     def wait_for(self, what: str, condition, timeout: float, poll: float = 0.25):
         """Return condition()'s first truthy value; fail after `timeout` s with a screenshot."""
