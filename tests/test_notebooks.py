@@ -176,3 +176,23 @@ def test_a_notebook_with_a_deleted_check_scores_that_exercise_as_not_run(tmp_pat
     nbformat.write(nb, path)
     grade = grade_notebook(path, cell_timeout=300)
     assert grade.exercises and {e["status"] for e in grade.exercises} == {"not run"}
+
+
+def test_every_lab_opens_on_colab_and_kaggle_and_installs_itself_only_where_needed(tmp_path):
+    lab = nbformat.read(REPO / "labs" / "03_ddp.ipynb", as_version=4)
+    badges, install = lab.cells[1], lab.cells[2]
+    assert lab.cells[0].source.startswith("# Lab 03")
+    assert "colab.research.google.com/github/" in badges.source and "labs/03_ddp.ipynb" in badges.source
+    assert "kaggle.com/kernels/welcome?src=https://github.com/" in badges.source
+    # Here distlab is installed, so the cell must not clone or pip install anything.
+    script = tmp_path / "install_cell.py"
+    script.write_text("import subprocess\nsubprocess.run = None  # any call would fail loudly\n" + install.source)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert not (tmp_path / "distlab-course").exists()
+    # Without distlab the cell clones the published repository and installs it.
+    script.write_text("import importlib.util, subprocess\ncalls = []\n"
+                      "subprocess.run = lambda argv, **k: calls.append(argv)\n"
+                      "importlib.util.find_spec = lambda name: None\n" + install.source + "\nprint(calls)")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    assert "'git', 'clone'" in done.stdout and "'pip', 'install'" in done.stdout, done.stdout + done.stderr
