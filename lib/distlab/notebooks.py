@@ -91,8 +91,9 @@ def hosted_cells(lab_name: str) -> list[nbformat.NotebookNode]:
     """Badges that open ``labs/<lab_name>`` on Colab or Kaggle, and the cell that installs distlab there.
 
     A hosted runtime starts with torch but without distlab or the course's files, so the first code
-    cell fetches the repository and installs it; wherever distlab is already importable (``make lab``,
-    conda, the grader, CI) the cell does nothing, so the same lab runs everywhere unchanged.
+    cell fetches the repository and installs it, pinned to the platform's torch (its CUDA build must
+    stay). Anywhere else (``make lab``, conda, the grader, CI) the cell does nothing, so the same lab
+    runs everywhere unchanged.
     """
     blob = f"{COURSE_REPOSITORY}/blob/{COURSE_BRANCH}/labs/{lab_name}"
     badges = nbformat.v4.new_markdown_cell(
@@ -102,13 +103,17 @@ def hosted_cells(lab_name: str) -> list[nbformat.NotebookNode]:
         f"(https://kaggle.com/kernels/welcome?src=https://{blob}) · on Kaggle turn on *Internet* and, "
         f"for NCCL ranks, the *GPU T4 ×2* accelerator; distlab uses every GPU it sees.")
     install = nbformat.v4.new_code_cell(
-        "# Colab / Kaggle: fetch the course and install distlab here (does nothing where it is installed)\n"
-        "import importlib.util, subprocess, sys\n"
-        "if importlib.util.find_spec(\"distlab\") is None:\n"
+        "# Colab / Kaggle only: fetch the course and install distlab beside the platform's own torch\n"
+        "import importlib.util, os, subprocess, sys\n"
+        "hosted = \"google.colab\" in sys.modules or \"KAGGLE_KERNEL_RUN_TYPE\" in os.environ\n"
+        "if hosted and importlib.util.find_spec(\"distlab\") is None:\n"
+        "    import torch\n"
+        "    with open(\"keep-torch.txt\", \"w\") as pin:  # pip must keep the platform's CUDA build of torch\n"
+        "        pin.write(f\"torch=={torch.__version__}\\n\")\n"
         f"    subprocess.run([\"git\", \"clone\", \"--quiet\", \"--depth=1\", \"--branch={COURSE_BRANCH}\",\n"
         f"                    \"https://{COURSE_REPOSITORY}\", \"distlab-course\"], check=True)\n"
-        "    subprocess.run([sys.executable, \"-m\", \"pip\", \"install\", \"--quiet\", \"-e\", \"distlab-course\"],\n"
-        "                   check=True)\n"
+        "    subprocess.run([sys.executable, \"-m\", \"pip\", \"install\", \"--quiet\", \"-c\", \"keep-torch.txt\",\n"
+        "                    \"-e\", \"distlab-course\"], check=True)\n"
         "    sys.path.insert(0, \"distlab-course/lib\")  # new processes see the install; this kernel needs the path")
     badges.id, install.id = "open-hosted", "install-hosted"  # fixed ids: `make labs` writes the same bytes twice
     return [badges, install]
