@@ -20,6 +20,7 @@ Exit status 1 when the target is missed.
 
 from __future__ import annotations
 
+import os
 import argparse
 import statistics
 import sys
@@ -137,6 +138,7 @@ def main(argv=None) -> int:
                 "peak_flops": peak.flops, "flops_per_token": fpt, "tokens_per_step": tokens,
                 "mfu": {v: mfu(fpt, tokens / med[v], peak.flops) for v in VARIANTS}, "faithful": faithful,
                 "config": vars(args)}
+        data["ran_on"] = f"{len(os.sched_getaffinity(0))} CPU cores (gloo ranks)"  # not the GPUs a box may also have
         print(f"saved {results.save('ddp', data, chr(10).join(out))}")
     return 0 if met else 1
 

@@ -18,6 +18,7 @@ notebook got the result its kind should get. Results: ``benchmarks/results/gradi
 
 from __future__ import annotations
 
+import os
 import argparse
 import json
 import statistics
@@ -136,6 +137,7 @@ def main(argv=None) -> int:
         data = {"where_the_time_goes": where, "class_wall_s": wall, "notebooks": len(paths), "mix": mix,
                 "timeout_s": timeout, "jobs": jobs, "median_s_by_kind": per_kind,
                 "passed": report["notebooks_passed"], "exit_status": run.returncode, "all_as_expected": not wrong}
+        data["ran_on"] = f"{len(os.sched_getaffinity(0))} CPU cores (CPU kernels and gloo ranks)"
         print(f"saved {results.save('grading', data, chr(10).join(out))}")
     return 0 if not wrong else 1
 

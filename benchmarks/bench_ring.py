@@ -29,6 +29,7 @@ not faithful: the ranks take turns on the cores).
 
 from __future__ import annotations
 
+import os
 import argparse
 import functools
 import math
@@ -170,6 +171,7 @@ def main(argv=None) -> int:
                 "crossover_measured_bytes": measured, "busbw_ratio_large": busbw_ratio,
                 "busbw_ratio_large_plain": plain_ratio, "target": TARGET, "faithful": faithful,
                 "cpus_per_rank": cpus / n}
+        data["ran_on"] = f"{len(os.sched_getaffinity(0))} CPU cores (gloo ranks)"  # not the GPUs a box may also have
         path = results.save("ring", data, "\n".join(out[:-1]))
         print(f"saved {path}")
     return 0 if (met or not faithful) else 1

@@ -1,5 +1,6 @@
 """The course text agrees with the notebooks: every measured figure a chapter quotes is in a real output."""
 
+import json
 import re
 from pathlib import Path
 
@@ -43,3 +44,21 @@ def test_quoted_outputs_appear_in_the_solution_notebook(chapter):
     for match in OUTPUT_BLOCK.finditer(chapter.read_text(encoding="utf-8")):
         block = _normalise(match["body"])
         assert block in sources, f"{chapter.name}: this quoted output is not in the notebook any more:\n{block}"
+
+
+def test_interview_map_points_at_sections_that_exist():
+    """Each question names notebook sections by heading (*in italics*); a renamed heading breaks the map."""
+    headings = set()
+    for path in (REPO / "solutions").glob("[0-9][0-9]_*.ipynb"):
+        notebook = json.loads(path.read_text(encoding="utf-8"))
+        headings |= {line.lstrip("#").strip() for cell in notebook["cells"] if cell["cell_type"] == "markdown"
+                     for line in "".join(cell["source"]).splitlines() if line.startswith("##")}
+    text = (REPO / "course" / "interview_map.md").read_text(encoding="utf-8")
+    rows = [line for line in text.splitlines() if line.startswith("| ") and not line.startswith("| question")]
+    assert len(rows) >= 13
+    for row in rows:
+        cited = re.findall(r"\*([^*]+)\*", row.split("|")[2])
+        assert cited, row
+        assert not (missing := [c for c in cited if c not in headings]), f"{missing} are no notebook headings"
+    for chapter in re.findall(r"\]\((\w+\.md)\)", text):
+        assert (REPO / "course" / chapter).exists(), chapter

@@ -312,3 +312,17 @@ def test_a_failing_nccl_rank_ends_the_launch():
 
     with pytest.raises(distlab.RankFailed, match="rank 1 raised ValueError"):
         distlab.launch(work, 2, **FAST)
+
+
+def test_auto_backend_with_fewer_gpus_than_ranks_runs_gloo_and_says_so_once(monkeypatch, capsys):
+    import torch
+
+    from distlab import launcher
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
+    monkeypatch.setattr(launcher, "_SAID_CPU_FALLBACK", set())
+    assert launcher.resolve_backend("auto", 4) == "gloo"
+    assert launcher.resolve_backend("auto", 4) == "gloo"
+    assert capsys.readouterr().err == ("distlab: 4 ranks but 1 GPU(s): running gloo ranks on the CPU "
+                                       "(NCCL needs one GPU per rank)\n")
+    assert launcher.resolve_backend("auto", 1) == "nccl"

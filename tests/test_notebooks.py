@@ -1,6 +1,7 @@
 """Solutions → labs, the check framework, and grading notebooks end to end."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -176,3 +177,26 @@ def test_a_notebook_with_a_deleted_check_scores_that_exercise_as_not_run(tmp_pat
     nbformat.write(nb, path)
     grade = grade_notebook(path, cell_timeout=300)
     assert grade.exercises and {e["status"] for e in grade.exercises} == {"not run"}
+
+
+def test_every_lab_opens_on_colab_and_kaggle_and_installs_itself_only_where_needed(tmp_path):
+    lab = nbformat.read(REPO / "labs" / "03_ddp.ipynb", as_version=4)
+    badges, install = lab.cells[1], lab.cells[2]
+    assert lab.cells[0].source.startswith("# Lab 03")
+    assert "colab.research.google.com/github/" in badges.source and "labs/03_ddp.ipynb" in badges.source
+    assert "kaggle.com/kernels/welcome?src=https://github.com/" in badges.source
+    # Not on Colab or Kaggle: the cell must not clone or pip install anything, even without distlab.
+    script = tmp_path / "install_cell.py"
+    fake = ("import importlib.util, subprocess\ncalls = []\nsubprocess.run = lambda argv, **k: calls.append(argv)\n"
+            "importlib.util.find_spec = lambda name: None\n")
+    script.write_text(fake + install.source + "\nprint(calls)")
+    run = dict(capture_output=True, text=True, cwd=tmp_path, timeout=120)
+    here = {name: value for name, value in os.environ.items() if name != "KAGGLE_KERNEL_RUN_TYPE"}
+    done = subprocess.run([sys.executable, str(script)], **run, env=here)
+    assert done.stdout.strip() == "[]", done.stdout + done.stderr
+    # On Kaggle without distlab: clone the published repository, install it pinned to the torch that is there.
+    env = {**os.environ, "KAGGLE_KERNEL_RUN_TYPE": "Interactive"}
+    done = subprocess.run([sys.executable, str(script)], **run, env=env)
+    assert "'git', 'clone'" in done.stdout and "'-c', 'keep-torch.txt'" in done.stdout, done.stdout + done.stderr
+    import torch
+    assert (tmp_path / "keep-torch.txt").read_text() == f"torch=={torch.__version__}\n"

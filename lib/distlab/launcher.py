@@ -152,6 +152,9 @@ class Run(list):
 
 # ---------------------------------------------------------------- validation
 
+_SAID_CPU_FALLBACK: set[int] = set()  # world sizes already told that they run on the CPU despite a GPU
+
+
 def resolve_backend(backend: str, world_size: int) -> str:
     """Pick gloo or NCCL, or say clearly why the requested one cannot run here."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
@@ -163,6 +166,11 @@ def resolve_backend(backend: str, world_size: int) -> str:
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if backend == "auto":
         backend = "nccl" if gpus >= world_size and sys.platform.startswith("linux") else "gloo"
+        if backend == "gloo" and gpus and world_size not in _SAID_CPU_FALLBACK:
+            # Colab's one GPU, a 4-rank lab: the lab still runs, and the student should know where.
+            _SAID_CPU_FALLBACK.add(world_size)
+            print(f"distlab: {world_size} ranks but {gpus} GPU(s): running gloo ranks on the CPU "
+                  f"(NCCL needs one GPU per rank)", file=sys.stderr)
     if backend == "nccl":
         if gpus < world_size:
             raise ValueError(

@@ -50,6 +50,11 @@ _MARKER = re.compile(r"#\s*(BEGIN SOLUTION|END SOLUTION|SOLUTION\b)")
 _NBVAL_LINE = re.compile(r"^[ \t]*#[ \t]*NBVAL_[A-Z_]+\b[^\n]*(?:\n|\Z)", re.MULTILINE)
 
 
+# Where the course is published. The Colab and Kaggle badges and the install cell at the top of every
+# lab point here: a fork that publishes its own copy changes these two lines and runs `make labs`.
+COURSE_REPOSITORY = "github.com/distlab-course/distlab"
+COURSE_BRANCH = "main"
+
 class NotebookError(ValueError):
     """A solution notebook that cannot be turned into a lab (unbalanced markers…)."""
 
@@ -82,6 +87,38 @@ def make_lab(solution: nbformat.NotebookNode, where: str = "") -> nbformat.Noteb
     return lab
 
 
+def hosted_cells(lab_name: str) -> list[nbformat.NotebookNode]:
+    """Badges that open ``labs/<lab_name>`` on Colab or Kaggle, and the cell that installs distlab there.
+
+    A hosted runtime starts with torch but without distlab or the course's files, so the first code
+    cell fetches the repository and installs it, pinned to the platform's torch (its CUDA build must
+    stay). Anywhere else (``make lab``, conda, the grader, CI) the cell does nothing, so the same lab
+    runs everywhere unchanged.
+    """
+    blob = f"{COURSE_REPOSITORY}/blob/{COURSE_BRANCH}/labs/{lab_name}"
+    badges = nbformat.v4.new_markdown_cell(
+        f"[![Open in Colab](https://colab.research.google.com/assets/colab-badge.svg)]"
+        f"(https://colab.research.google.com/github/{blob.removeprefix('github.com/')}) "
+        f"[![Open in Kaggle](https://kaggle.com/static/images/open-in-kaggle.svg)]"
+        f"(https://kaggle.com/kernels/welcome?src=https://{blob}) · on Kaggle turn on *Internet* and, "
+        f"for NCCL ranks, the *GPU T4 ×2* accelerator; distlab uses every GPU it sees.")
+    install = nbformat.v4.new_code_cell(
+        "# Colab / Kaggle only: fetch the course and install distlab beside the platform's own torch\n"
+        "import importlib.util, os, subprocess, sys\n"
+        "hosted = \"google.colab\" in sys.modules or \"KAGGLE_KERNEL_RUN_TYPE\" in os.environ\n"
+        "if hosted and importlib.util.find_spec(\"distlab\") is None:\n"
+        "    import torch\n"
+        "    with open(\"keep-torch.txt\", \"w\") as pin:  # pip must keep the platform's CUDA build of torch\n"
+        "        pin.write(f\"torch=={torch.__version__}\\n\")\n"
+        f"    subprocess.run([\"git\", \"clone\", \"--quiet\", \"--depth=1\", \"--branch={COURSE_BRANCH}\",\n"
+        f"                    \"https://{COURSE_REPOSITORY}\", \"distlab-course\"], check=True)\n"
+        "    subprocess.run([sys.executable, \"-m\", \"pip\", \"install\", \"--quiet\", \"-c\", \"keep-torch.txt\",\n"
+        "                    \"-e\", \"distlab-course\"], check=True)\n"
+        "    sys.path.insert(0, \"distlab-course/lib\")  # new processes see the install; this kernel needs the path")
+    badges.id, install.id = "open-hosted", "install-hosted"  # fixed ids: `make labs` writes the same bytes twice
+    return [badges, install]
+
+
 def exercise_ids(notebook: nbformat.NotebookNode) -> list[str]:
     """Ids of every solution block and one-line answer, in notebook order."""
     return [m["id"] for cell in notebook.cells if cell.cell_type == "code"
@@ -94,7 +131,11 @@ def build_labs(solutions_dir: Path, labs_dir: Path, check_only: bool = False) ->
     labs_dir.mkdir(parents=True, exist_ok=True)
     for solution_path in sorted(solutions_dir.glob("[0-9][0-9]_*.ipynb")):
         solution = nbformat.read(solution_path, as_version=4)
-        text = nbformat.writes(make_lab(solution, solution_path.name)) + "\n"
+        lab = make_lab(solution, solution_path.name)
+        after_title = int(bool(lab.cells) and lab.cells[0].cell_type == "markdown"
+                          and lab.cells[0].source.startswith("# "))
+        lab.cells[after_title:after_title] = hosted_cells(solution_path.name)
+        text = nbformat.writes(lab) + "\n"
         lab_path = labs_dir / solution_path.name
         if not lab_path.exists() or lab_path.read_text(encoding="utf-8") != text:
             stale.append(lab_path)
