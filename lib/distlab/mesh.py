@@ -261,7 +261,8 @@ def check_3d_setup(cfg: GPTConfig, grid: Grid, m: int, batch_size: int, world: i
     if batch_size % grid.dp:
         raise ValueError(f"the batch of {batch_size} sequences does not split over dp={grid.dp} replicas")
     if grid.cp > 1:
-        raise ValueError(f"this run composes DP, PP and TP; cp={grid.cp} (context parallelism, lab 07) is not part of it")
+        raise ValueError(f"this run composes DP, PP and TP; cp={grid.cp} (context parallelism, lab 07) "
+                         f"is not part of it")
     check_setup(grid.pp, m, cfg.n_layer, batch_size // grid.dp, schedule)
 
 

@@ -195,7 +195,8 @@ def bytes_per_axis(model: ModelShape, layout: Layout, sequence_parallel: bool = 
       the loss's three one-value-per-token all-reduces; :func:`~distlab.tensor_parallel.collectives_per_step`);
     * pp — one activation of a micro-batch per forward and one gradient per backward, except at the ends;
     * cp — :func:`~distlab.context_parallel.cost.ring_bytes`, forward and backward, per layer;
-    * dp — this rank's gradients once per step; ZeRO-2 and ZeRO-3 once per micro-batch and more (:func:`_dp_messages`).
+    * dp — this rank's gradients once per step; ZeRO-2 and ZeRO-3 once per micro-batch and more
+      (:func:`_dp_messages`).
     """
     from distlab.context_parallel.cost import ring_bytes
     from distlab.tensor_parallel import activation_message_bytes, collectives_per_block, collectives_per_step
@@ -424,7 +425,8 @@ class Plan:
         raise KeyError(f"no enumerated layout has {degrees}")
 
     def table(self, n: int = 5) -> str:
-        lines = [f"{self.model.name} on {self.cluster.name}, {self.global_batch} sequences × {self.model.seq_len} tokens"]
+        lines = [f"{self.model.name} on {self.cluster.name}, {self.global_batch} sequences × "
+                 f"{self.model.seq_len} tokens"]
         lines += [f"{i + 1:2d}. {e.summary()}" for i, e in enumerate(self.feasible[:n])]
         if not self.feasible:
             lines.append("no feasible layout; the nearest:")
@@ -460,7 +462,8 @@ def run_cost(model: ModelShape | str, tokens: float, cluster: Cluster, mfu_value
             "six_n_d_flops": 6 * model.n_params * tokens}
 
 
-def gradient_all_reduce_seconds(model: ModelShape | str, gpus: int, bandwidth: float, bytes_per_value: int = 2) -> float:
+def gradient_all_reduce_seconds(model: ModelShape | str, gpus: int, bandwidth: float,
+                                bytes_per_value: int = 2) -> float:
     """One DDP gradient all-reduce of the whole model over a ring of ``gpus`` at ``bandwidth`` (bytes/s)."""
     model = ModelShape.from_preset(model) if isinstance(model, str) else model
     return ring_all_reduce_bytes(model.n_params * bytes_per_value, gpus) / bandwidth

@@ -93,7 +93,8 @@ def _launch_3d(cfg: GPTConfig, grid: Grid, batch: int, seed: int, grad_sync) -> 
         if isinstance(error, RankFailed) and "CollectiveMismatch" not in str(error):
             raise
         raise CheckFailed(f"the ranks did not make matching calls ({str(error).splitlines()[0][:160]}…): reduce "
-                          f"over the DP group only (group=dp_group) — ranks of other axes hold other tensors") from None
+                          f"over the DP group only (group=dp_group) — ranks of other axes hold other "
+                          f"tensors") from None
     return list(run)
 
 
