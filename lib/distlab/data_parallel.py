@@ -130,14 +130,15 @@ def assign_buckets(params: Iterable[nn.Parameter], bucket_cap_bytes: int = DEFAU
 
 
 @torch.no_grad()
-def allreduce_buckets(buckets: Sequence[Sequence[nn.Parameter]]) -> None:
+def allreduce_buckets(buckets: Sequence[Sequence[nn.Parameter]], group=None) -> None:
     """Bucketed DDP on plain lists of parameters: per bucket, flatten the gradients (zeros
-    for a missing one) into one tensor, all-reduce it once, divide, copy back."""
+    for a missing one) into one tensor, all-reduce it once over ``group`` (default: the
+    world), divide by the group's size, copy back."""
     _require_process_group()
-    world = dist.get_world_size()
+    world = dist.get_world_size(group)
     for bucket in buckets:
         flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in bucket])
-        dist.all_reduce(flat)
+        dist.all_reduce(flat, group=group)
         flat.div_(world)
         offset = 0
         for p in bucket:

@@ -24,7 +24,7 @@ import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
 __all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "MLP", "count_params",
-           "flops_per_token", "synthetic_batch"]
+           "flops_per_token", "training_flops_per_token", "synthetic_batch"]
 
 
 @dataclass
@@ -201,7 +201,13 @@ def flops_per_token(cfg: GPTConfig) -> int:
     per layer, ×3 for training), with the causal half counted, as PaLM does.
     """
     n = count_params(cfg, include_embeddings=False) + cfg.vocab_size * cfg.d_model
-    return 6 * n + 12 * cfg.n_layer * cfg.d_model * cfg.seq_len
+    return training_flops_per_token(n, cfg.n_layer, cfg.d_model, cfg.seq_len)
+
+
+def training_flops_per_token(matmul_params: int, n_layer: int, d_model: int, seq_len: int) -> int:
+    """:func:`flops_per_token` for any transformer shape: ``6·N + 12·n_layer·d_model·seq_len``,
+    ``N`` the parameters that do a matmul per token (all but the embedding lookups)."""
+    return 6 * matmul_params + 12 * n_layer * d_model * seq_len
 
 
 def _mix(*values: int) -> int:

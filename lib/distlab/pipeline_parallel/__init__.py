@@ -30,13 +30,14 @@ from distlab.pipeline_parallel.partition import (LayerCosts, balanced_partition,
 from distlab.pipeline_parallel.schedules import (COMMUNICATION, COMPUTE, SCHEDULES, Action, ScheduleError,
                                                  Simulation, bubble_fraction, compute_order, format_schedule, gpipe,
                                                  interleaved_1f1b, interleaved_bubble_fraction, make_schedule,
-                                                 num_stages_of, one_f_one_b, simulate, validate, with_p2p,
-                                                 zero_bubble_h1)
+                                                 num_stages_of, one_f_one_b, peak_in_flight, simulate, validate,
+                                                 with_p2p, zero_bubble_h1)
 from distlab.pipeline_parallel.train import (check_setup, keep_freed_memory, pipeline_worker, reference_states,
                                              torch_pipelining_worker, train)
 
 __all__ = [
     "Action", "COMPUTE", "COMMUNICATION", "ScheduleError", "bubble_fraction", "interleaved_bubble_fraction",
+    "peak_in_flight",
     "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble_h1", "SCHEDULES", "make_schedule", "with_p2p",
     "compute_order", "num_stages_of", "validate", "Simulation", "simulate", "format_schedule",
     "even_partition", "balanced_partition", "stage_costs", "check_partition", "LayerCosts", "measure_layer_costs",

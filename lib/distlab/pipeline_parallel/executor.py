@@ -191,7 +191,7 @@ class StepStats:
 
 def run_schedule(actions: Sequence[Action], stages: Mapping[int, nn.Module], micro_batches, *,
                  loss_fn: Callable = lm_loss, p: int | None = None, num_stages: int | None = None,
-                 memory: SavedActivations | None = None) -> StepStats:
+                 memory: SavedActivations | None = None, chan: Channels | None = None) -> StepStats:
     """Run this rank's ``actions`` for one optimizer step; gradients accumulate in ``.grad``.
 
     ``stages`` are this rank's :class:`StageModule` s by global stage index, ``micro_batches``
@@ -199,7 +199,8 @@ def run_schedule(actions: Sequence[Action], stages: Mapping[int, nn.Module], mic
     uses ``x``, the last ``y``). ``F`` of a later stage takes the received activation as a
     leaf that requires grad, so its backward stops there and leaves the gradient to send in
     ``x.grad``. Sends are waited for at the end of the step, receives by the compute that
-    needs them.
+    needs them. ``chan``: the point-to-point channels, addressed by pipeline rank (default:
+    :func:`channels` of a pipeline over the whole world; a 3D grid passes its own).
     """
     p = p or dist.get_world_size()
     S = num_stages or p * len(stages)
@@ -208,7 +209,7 @@ def run_schedule(actions: Sequence[Action], stages: Mapping[int, nn.Module], mic
     device, dtype = any_param.device, any_param.dtype
     rows, T = micro_batches[0][0].shape
     width = next(iter(stages.values())).width
-    chan = channels(p) if p > 1 else None
+    chan = chan or (channels(p) if p > 1 else None)
     inputs, outputs, grads_out = {}, {}, {}
     received: dict[tuple, tuple] = {}
     sends = []

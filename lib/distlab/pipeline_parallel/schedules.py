@@ -68,6 +68,19 @@ def interleaved_bubble_fraction(p: int, m: int, v: int) -> float:
     return (p - 1) / (v * m + p - 1)
 
 
+def peak_in_flight(p: int, m: int, v: int = 1) -> float:
+    """Most micro-batches rank 0 holds activations for (in whole-rank micro-batches) under
+    1F1B (``v = 1``) or interleaved 1F1B: its warm-up forwards plus the first steady one.
+
+    1F1B: ``min(p, m)``. Interleaved: ``(2(p-1) + (v-1)·p + 1) / v`` stage-forwards of
+    ``1/v`` of the rank's layers each (at most ``m``): slightly more than 1F1B's ``p``,
+    the memory price of the smaller bubble. :func:`simulate` measures the same number.
+    """
+    _check_sizes(p, m, v)
+    warmup = p - 1 if v == 1 else 2 * (p - 1) + (v - 1) * p
+    return min(warmup + 1, m * v) / v
+
+
 def _check_sizes(p: int, m: int, v: int = 1) -> None:
     for name, value in (("p (pipeline ranks)", p), ("m (micro-batches)", m), ("v (stages per rank)", v)):
         if isinstance(value, bool) or not isinstance(value, int) or value < 1:

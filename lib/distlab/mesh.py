@@ -1,0 +1,403 @@
+"""3D parallelism: the process-group grid, and DP × PP × TP training composed from labs 05 and 06.
+
+A job of ``world = dp · pp · tp`` ranks is a grid: rank ``r`` sits at coordinates
+``(d, s, t)`` of ``arange(world).view(dp, pp, tp)`` (picotron's layout, Megatron-LM's
+default order). TP is the innermost axis, so a TP group is ``tp`` *consecutive* ranks:
+with ``tp`` dividing the GPUs per node, every TP group lives inside one node, on NVLink —
+TP communicates inside every layer, forward and backward, and cannot afford the network.
+PP is next (one point-to-point message per micro-batch per stage boundary), DP outermost
+(one gradient all-reduce per step, which overlaps with backward).
+
+* :class:`Grid` — the arithmetic: coordinates, every group of every axis, which axes stay in a node;
+* :func:`process_groups` — the real ``torch.distributed`` groups of this rank (and the pipeline's
+  point-to-point channels); :func:`device_mesh_groups` — the same from PyTorch's ``init_device_mesh``;
+* :func:`parallel3d_worker` — training on the grid: each stage of lab 06's pipeline is a slice of
+  lab 05's tensor-parallel GPT, each pipeline a data-parallel replica; :func:`compare_with_reference`
+  proves it equal to one process, and :func:`measured_bytes_per_axis` reads what each axis sent.
+
+Under torchrun::
+
+    torchrun --nproc-per-node=8 -m distlab.torchrun distlab.mesh:train dp=2 pp=2 tp=2 steps=3
+"""
+
+from __future__ import annotations
+
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Callable, Sequence
+
+import torch
+import torch.distributed as dist
+
+from distlab.model import GPT, GPTConfig, synthetic_batch
+from distlab.reference import make_optimizer, train_reference
+
+__all__ = ["AXES", "Grid", "ProcessGroups", "process_groups", "device_mesh_groups", "group_ranks_worker",
+           "average_gradients", "check_3d_setup", "parallel3d_worker", "replica_losses", "reference_run",
+           "compare_with_reference",
+           "measured_bytes_per_axis", "train"]
+
+AXES = ("dp", "pp", "cp", "tp")  # outermost to innermost, Llama 3's order
+
+
+@dataclass(frozen=True)
+class Grid:
+    """``dp × pp × tp`` ranks laid out as ``arange(world).view(dp, pp, tp)``.
+
+    ``cp`` (context parallelism, lab 07) sits between PP and TP when it is used, as in Llama 3
+    (``[TP, CP, PP, DP]`` from the inside out); the training run here keeps ``cp = 1``.
+    """
+
+    dp: int = 1
+    pp: int = 1
+    tp: int = 1
+    cp: int = 1
+
+    def __post_init__(self) -> None:
+        for axis in AXES:
+            value = getattr(self, axis)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{axis}={value!r} must be a positive integer")
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.pp * self.cp * self.tp
+
+    @property
+    def shape(self) -> dict[str, int]:
+        return {axis: getattr(self, axis) for axis in AXES}
+
+    @property
+    def axes(self) -> tuple[str, ...]:
+        """The axes this grid uses: all of :data:`AXES` but ``cp`` when ``cp = 1``."""
+        return tuple(axis for axis in AXES if axis != "cp" or self.cp > 1)
+
+    def check_world(self, world: int) -> None:
+        """One-line ``ValueError`` when the job's world size is not ``dp · pp · tp``."""
+        if world != self.world:
+            sizes = " × ".join(str(getattr(self, a)) for a in self.axes)
+            names = " × ".join(self.axes)
+            raise ValueError(f"world size {world} is not {names} = {sizes} = {self.world}: "
+                             f"start {self.world} ranks or change the degrees")
+
+    def ranks(self) -> torch.Tensor:
+        """The grid itself: ``ranks()[d, s, c, t]`` is the global rank at those coordinates."""
+        return torch.arange(self.world).view(self.dp, self.pp, self.cp, self.tp)
+
+    def coords(self, rank: int) -> dict[str, int]:
+        """``{"dp": d, "pp": s, "cp": c, "tp": t}`` of a global rank."""
+        if not 0 <= rank < self.world:
+            raise ValueError(f"rank {rank} is outside a grid of {self.world} ranks")
+        coords = {}
+        for axis in reversed(AXES):
+            rank, coords[axis] = divmod(rank, getattr(self, axis))
+        return {axis: coords[axis] for axis in AXES}
+
+    def groups(self, axis: str) -> list[list[int]]:
+        """Every group along ``axis``: the ranks that differ only in that coordinate, in order."""
+        if axis not in AXES:
+            raise ValueError(f"axis must be one of {AXES}, got {axis!r}")
+        dim = AXES.index(axis)
+        grid = self.ranks().movedim(dim, -1)  # the axis last: each row is one group
+        return grid.reshape(-1, self.shape[axis]).tolist()
+
+    def group_of(self, rank: int, axis: str) -> list[int]:
+        """The ranks of ``rank``'s group along ``axis``."""
+        return next(group for group in self.groups(axis) if rank in group)
+
+    def nodes_spanned(self, axis: str, gpus_per_node: int) -> int:
+        """How many nodes the widest group along ``axis`` spans when ranks fill nodes in order."""
+        dim = AXES.index(axis)
+        nodes = self.ranks().movedim(dim, -1).reshape(-1, self.shape[axis]) // gpus_per_node
+        return int(((nodes.diff(dim=1) != 0).sum(dim=1) + 1).max())  # a group's ranks ascend
+
+    def inside_node(self, gpus_per_node: int) -> dict[str, bool]:
+        """For each axis: whether all its groups stay inside one node (ranks fill nodes in order)."""
+        return {axis: self.nodes_spanned(axis, gpus_per_node) == 1 for axis in AXES}
+
+
+@dataclass
+class ProcessGroups:
+    """This rank's coordinates and its group along each axis of the grid, plus the pipeline's channels."""
+
+    grid: Grid
+    coords: dict[str, int]
+    groups: dict[str, object]
+    pipe: "GridChannels"
+
+    @property
+    def dp(self):
+        return self.groups["dp"]
+
+    @property
+    def pp(self):
+        return self.groups["pp"]
+
+    @property
+    def tp(self):
+        return self.groups["tp"]
+
+    def ranks(self, axis: str) -> list[int]:
+        return dist.get_process_group_ranks(self.groups[axis])
+
+
+class GridChannels:
+    """Point-to-point channels between neighbouring stages of *this rank's* pipeline.
+
+    Lab 06's executor addresses peers by pipeline rank (stage index mod ``pp``); here that
+    index is mapped to the global rank with the same DP and TP coordinates. As in lab 06
+    there is one group per direction between two ranks, so activations going forward never
+    queue behind gradients coming back. ``new_group`` is collective, so every rank creates
+    the channels of every pipeline, in the same order, and keeps its own.
+    """
+
+    def __init__(self, grid: Grid, rank: int):
+        self.grid, self.rank = grid, rank
+        self.pipeline = grid.group_of(rank, "pp")
+        self.groups: dict[tuple[int, int], object] = {}
+        p = grid.pp
+        pairs = sorted({(a, (a + step) % p) for a in range(p) for step in (1, -1) if (a + step) % p != a})
+        for pipeline in grid.groups("pp"):
+            for src, dst in pairs:
+                group = dist.new_group([pipeline[src], pipeline[dst]])
+                if pipeline == self.pipeline:
+                    self.groups[(src, dst)] = group
+        self.index = self.pipeline.index(rank)
+
+    def send(self, tensor: torch.Tensor, dst: int):
+        return dist.isend(tensor.contiguous(), self.pipeline[dst], group=self.groups[(self.index, dst)])
+
+    def recv(self, buffer: torch.Tensor, src: int):
+        return dist.irecv(buffer, self.pipeline[src], group=self.groups[(src, self.index)])
+
+
+_GROUPS: dict[tuple, ProcessGroups] = {}
+
+
+def process_groups(grid: Grid) -> ProcessGroups:
+    """This rank's groups along every axis of ``grid`` (created once per process and grid).
+
+    Every rank creates every group, axis by axis in the order of :data:`AXES` (``new_group``
+    is collective; ``cp`` only when ``cp > 1``); a warm rank keeps them between jobs.
+    """
+    world, rank = dist.get_world_size(), dist.get_rank()
+    grid.check_world(world)
+    key = (grid, world, dist.get_backend(), id(dist.group.WORLD))
+    if key not in _GROUPS:
+        mine = {}
+        for axis in grid.axes:
+            for ranks in grid.groups(axis):
+                group = dist.new_group(ranks)
+                if rank in ranks:
+                    mine[axis] = group
+        _GROUPS[key] = ProcessGroups(grid, grid.coords(rank), mine, GridChannels(grid, rank))
+    return _GROUPS[key]
+
+
+def device_mesh_groups(grid: Grid) -> dict[str, list[int]]:
+    """This rank's group along each axis, as PyTorch's ``init_device_mesh`` builds them."""
+    from torch.distributed.device_mesh import init_device_mesh
+
+    from distlab.rank import device
+
+    grid.check_world(dist.get_world_size())
+    mesh = init_device_mesh(device().type, tuple(grid.shape[a] for a in grid.axes), mesh_dim_names=grid.axes)
+    return {axis: dist.get_process_group_ranks(mesh[axis].get_group()) for axis in grid.axes}
+
+
+def group_ranks_worker(grid: Grid, groups_fn: Callable[[int, int, int, int], dict] | None = None) -> dict:
+    """On a rank: its coordinates and the ranks of its groups, made three ways.
+
+    ``ours``: real groups from :func:`process_groups`; ``device_mesh``: PyTorch's; and,
+    when ``groups_fn(world, dp, pp, tp)`` is given (a student's grid), ``theirs``: the
+    group of this rank along each axis according to it, built as a real group too.
+    """
+    rank = dist.get_rank()
+    groups = process_groups(grid)
+    out = {"rank": rank, "coords": groups.coords, "ours": {axis: groups.ranks(axis) for axis in grid.axes},
+           "device_mesh": device_mesh_groups(grid)}
+    if groups_fn is not None:
+        layout = groups_fn(grid.world, grid.dp, grid.pp, grid.tp)
+        theirs = {}
+        for axis in ("dp", "pp", "tp"):
+            for ranks in layout[axis]:
+                group = dist.new_group(sorted(ranks))
+                if rank in ranks:
+                    theirs[axis] = dist.get_process_group_ranks(group)
+        out["theirs"] = theirs
+    return out
+
+
+# ---------------------------------------------------------------- training on the grid
+
+def average_gradients(params: Sequence[torch.nn.Parameter], group, dp: int) -> None:
+    """Data parallelism over ``group``: one flat all-reduce of every gradient, divided by ``dp``
+    (lab 03's :func:`~distlab.data_parallel.allreduce_buckets` with one bucket, on the DP group).
+
+    Each replica saw ``1/dp`` of the batch and its loss is that part's mean, so the mean of
+    the replicas' gradients is the full batch's gradient. Only the ``dp`` ranks holding the
+    *same* shard of the *same* stage are in a DP group: reducing over the world would add
+    different tensors together.
+    """
+    from distlab.data_parallel import allreduce_buckets
+
+    if dp > 1:
+        allreduce_buckets([list(params)], group)
+
+
+def check_3d_setup(cfg: GPTConfig, grid: Grid, m: int, batch_size: int, world: int | None = None,
+                   schedule: str = "1f1b") -> None:
+    """Every size the 3D run needs, checked before any rank starts: one ``ValueError`` line."""
+    from distlab.pipeline_parallel import check_setup
+    from distlab.tensor_parallel import check_tp_sizes
+
+    if world is not None:
+        grid.check_world(world)
+    if cfg.tied_embeddings:
+        raise ValueError("the 3D run needs untied embeddings (GPTConfig(tied_embeddings=False), as Llama 3): "
+                         "the token embedding (first stage) and the output layer (last stage) are cut apart")
+    check_tp_sizes(cfg, grid.tp)
+    if batch_size % grid.dp:
+        raise ValueError(f"the batch of {batch_size} sequences does not split over dp={grid.dp} replicas")
+    if grid.cp > 1:
+        raise ValueError(f"this run composes DP, PP and TP; cp={grid.cp} (context parallelism, lab 07) "
+                         f"is not part of it")
+    check_setup(grid.pp, m, cfg.n_layer, batch_size // grid.dp, schedule)
+
+
+def _op_counts() -> dict[str, tuple[int, int]]:
+    from distlab import comm
+
+    return {name: (s.calls, s.payload_bytes) for name, s in comm.current_log().ops.items()}
+
+
+def _since(before: dict[str, tuple[int, int]], ops: tuple[str, ...]) -> int:
+    now = _op_counts()
+    return sum(now[op][1] - before.get(op, (0, 0))[1] for op in ops if op in now)
+
+
+def parallel3d_worker(cfg: GPTConfig, dp: int, pp: int, tp: int, m: int = 2, batch_size: int = 4, steps: int = 1,
+                      optimizer: str = "sgd", lr: float = 0.1, seed: int = 0, data_seed: int = 0,
+                      schedule: str = "1f1b", grad_sync: Callable | None = None) -> dict:
+    """Train ``GPT(cfg, seed)`` on a ``dp × pp × tp`` grid; report this rank.
+
+    The composition, with no third implementation of anything: lab 05's
+    :class:`~distlab.tensor_parallel.TensorParallelGPT` over this rank's TP group, cut by lab
+    06's :class:`~distlab.pipeline_parallel.StageModule` into this rank's stage (they keep the
+    GPT's parameter names), run by lab 06's :func:`~distlab.pipeline_parallel.run_schedule`
+    over this pipeline's channels, its last stage scoring with the vocabulary-parallel loss;
+    then the replicas' gradients are averaged over the DP group (``grad_sync``, default
+    :func:`average_gradients`) and every rank updates its own shards.
+
+    Every replica takes rows ``d·B/dp …`` of the step's ``batch_size`` sequences, in ``m``
+    micro-batches. Returns ``rank``, ``coords``, ``losses`` (the replica's mean loss per step
+    on its last stage's ranks, else ``None``), ``state`` (this rank's shards, GPT names),
+    ``bytes``: per step, the payload bytes this rank sent along each axis, and ``step_times``.
+    """
+    from distlab.pipeline_parallel import StageModule, even_partition, make_schedule, run_schedule
+    from distlab.pipeline_parallel.train import keep_freed_memory
+    from distlab.rank import device
+    from distlab.tensor_parallel import TensorParallelGPT, vocab_parallel_cross_entropy
+
+    grid = Grid(dp, pp, tp)
+    check_3d_setup(cfg, grid, m, batch_size, dist.get_world_size(), schedule)
+    keep_freed_memory()
+    groups = process_groups(grid)
+    d, s = groups.coords["dp"], groups.coords["pp"]
+    dev = device()
+    layers = even_partition(cfg.n_layer, pp)[s]
+    stage = StageModule(TensorParallelGPT(GPT(cfg, seed=seed).to(dev), groups.tp), layers, s == 0, s == pp - 1)
+    params = list(stage.parameters())
+    opt = make_optimizer(params, optimizer, lr=lr)
+    actions = make_schedule(schedule, pp, m)[s]
+    rows = batch_size // dp
+    sync = grad_sync or average_gradients
+
+    def loss_fn(local_logits, targets):
+        return vocab_parallel_cross_entropy(local_logits, targets, groups.tp)
+
+    out = {"rank": dist.get_rank(), "coords": groups.coords, "layers": list(layers), "losses": [], "bytes": [],
+           "step_times": []}
+    for step in range(steps):
+        x, y = synthetic_batch(cfg, batch_size, step, seed=data_seed)
+        micro = list(zip(x[d * rows:(d + 1) * rows].to(dev).chunk(m), y[d * rows:(d + 1) * rows].to(dev).chunk(m)))
+        start = time.perf_counter()
+        before = _op_counts()
+        stats = run_schedule(actions, {s: stage}, micro, loss_fn=loss_fn, p=pp, num_stages=pp, chan=groups.pipe)
+        sent = {"tp": _since(before, ("all_reduce",)), "pp": _since(before, ("isend", "send"))}
+        before = _op_counts()
+        sync(params, groups.dp, dp)
+        sent["dp"] = _since(before, ("all_reduce",))
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+        if dev.type == "cuda":
+            torch.cuda.synchronize(dev)
+        out["step_times"].append(time.perf_counter() - start)
+        out["losses"].append(statistics.fmean(stats.losses.values()) if stats.losses else None)
+        out["bytes"].append(sent)
+    out["state"] = {name: t.detach().to("cpu", copy=True) for name, t in stage.state_dict().items()}
+    return out
+
+
+def replica_losses(results: Sequence[dict]) -> list[float]:
+    """The global batch's loss per step: the mean over DP replicas of their last stage's loss."""
+    last = [r for r in results if r["losses"] and r["losses"][0] is not None and r["coords"]["tp"] == 0]
+    return [statistics.fmean(r["losses"][i] for r in last) for i in range(len(last[0]["losses"]))]
+
+
+def reference_run(cfg: GPTConfig, batch_size: int, steps: int, optimizer: str = "sgd", lr: float = 0.1,
+                  seed: int = 0, data_seed: int = 0):
+    """The single-process run a 3D run must equal: ``GPT(cfg, seed)``, one step per whole batch."""
+    batches = [synthetic_batch(cfg, batch_size, step, seed=data_seed) for step in range(steps)]
+    return train_reference(cfg, batches, lr=lr, optimizer=optimizer, seed=seed)
+
+
+def compare_with_reference(results: Sequence[dict], cfg: GPTConfig, grid: Grid, batch_size: int, steps: int,
+                           optimizer: str = "sgd", lr: float = 0.1, seed: int = 0, data_seed: int = 0) -> dict:
+    """The 3D run against one process training ``GPT(cfg, seed)`` on the whole batches.
+
+    Returns the largest loss difference over steps and the worst parameter: ``(rank, name,
+    difference)`` over every rank's shards, each compared with the same slice of the
+    reference (:func:`~distlab.tensor_parallel.shard_of`). Also checks that every parameter
+    of the model is held by some rank.
+    """
+    from distlab.tensor_parallel import shard_of
+
+    reference = reference_run(cfg, batch_size, steps, optimizer, lr, seed, data_seed)
+    losses = replica_losses(results)
+    loss_diff = max(abs(a - b) for a, b in zip(losses, reference.losses))
+    worst, held = (-1, "", 0.0), set()
+    for r in results:
+        for name, tensor in r["state"].items():
+            held.add(name)
+            expected = shard_of(name, reference.state_dict[name], cfg, grid.tp, r["coords"]["tp"])
+            if expected.shape != tensor.shape:
+                raise ValueError(f"rank {r['rank']}: {name} has shape {tuple(tensor.shape)}, "
+                                 f"expected its shard {tuple(expected.shape)}")
+            diff = (tensor.double() - expected.double()).abs().max().item()
+            if diff > worst[2] or worst[0] < 0:
+                worst = (r["rank"], name, diff)
+    missing = sorted(set(reference.state_dict) - held)
+    if missing:
+        raise ValueError(f"no rank holds {', '.join(missing[:3])}")
+    return {"losses": losses, "reference_losses": reference.losses, "loss_diff": loss_diff, "worst_param": worst}
+
+
+def measured_bytes_per_axis(results: Sequence[dict], step: int = -1) -> dict[str, int]:
+    """Payload bytes one rank sent along each axis in one step (the most any rank sent)."""
+    return {axis: max(r["bytes"][step][axis] for r in results) for axis in ("dp", "pp", "tp")}
+
+
+def train(dp: int = 2, pp: int = 2, tp: int = 2, steps: int = 3, batch_size: int = 8, microbatches: int = 2,
+          n_layer: int = 4, d_model: int = 64, n_head: int = 4, vocab_size: int = 256, seq_len: int = 32,
+          lr: float = 0.1, seed: int = 0) -> dict:
+    """The torchrun entry point: train on a ``dp × pp × tp`` grid; rank 0 prints the losses."""
+    cfg = GPTConfig(vocab_size=int(vocab_size), seq_len=int(seq_len), n_layer=int(n_layer), n_head=int(n_head),
+                    d_model=int(d_model), tied_embeddings=False)
+    out = parallel3d_worker(cfg, int(dp), int(pp), int(tp), m=int(microbatches), batch_size=int(batch_size),
+                            steps=int(steps), lr=float(lr), seed=int(seed))
+    if out["losses"][0] is not None and out["coords"]["tp"] == 0:
+        print(f"rank {out['rank']} {out['coords']}: replica losses " +
+              " ".join(f"{loss:.4f}" for loss in out["losses"]), flush=True)
+    return {key: out[key] for key in ("rank", "coords", "losses", "bytes")}

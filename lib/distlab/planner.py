@@ -1,0 +1,499 @@
+"""A parallelism planner: which DP × TP × PP × CP (× EP) layout, ZeRO stage, micro-batching and
+activation checkpointing trains a model fastest on a cluster, and why the others lose or do not fit.
+
+Nothing here is a new formula. Each number comes from the module that teaches it:
+
+* memory per GPU — :func:`distlab.memory.bytes_per_param` (ZeRO), :func:`distlab.memory.activation_bytes_per_layer`
+  (checkpointing) and :func:`distlab.tensor_parallel.activation_bytes_per_layer_tp` (TP + sequence
+  parallelism), times the micro-batches rank 0 of the pipeline holds
+  (:func:`distlab.pipeline_parallel.peak_in_flight`);
+* communication per step — :func:`distlab.tensor_parallel.collectives_per_block` (TP),
+  :func:`distlab.context_parallel.cost.ring_bytes` (CP), one activation per micro-batch and
+  stage boundary (PP), and the ring formulas of :mod:`distlab.collectives` (DP, ZeRO), on the
+  link the axis's groups use (:meth:`distlab.mesh.Grid.nodes_spanned`);
+* time — FLOPs per token from :func:`distlab.model.training_flops_per_token`, the pipeline
+  bubble from :func:`distlab.pipeline_parallel.bubble_fraction` / ``interleaved_bubble_fraction``,
+  and MFU from :func:`distlab.flops.mfu`.
+
+The time model is deliberately simple — compute at a fixed fraction of peak, TP/CP/PP traffic
+on the critical path, the DP gradient reduction hidden behind the last micro-batch's backward,
+ZeRO-3's gathers behind the compute — so every term can be read and argued with. It ranks
+layouts; it does not promise a step time to the millisecond.
+"""
+
+from __future__ import annotations
+
+import functools
+import itertools
+import math
+from dataclasses import dataclass, field
+
+from distlab.collectives import all_reduce_cost, ring_all_gather_bytes, ring_all_reduce_bytes
+from distlab.flops import PEAK_FLOPS, mfu
+from distlab.memory import PRESETS, Preset, activation_bytes_per_layer, bytes_per_param
+from distlab.model import GPTConfig, count_params, training_flops_per_token
+
+__all__ = ["ModelShape", "Cluster", "Layout", "Estimate", "Plan", "h100_cluster", "estimate", "enumerate_layouts",
+           "plan", "bytes_per_axis", "run_cost", "gradient_all_reduce_seconds", "plot_plan"]
+
+GB = 1e9
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    """What the planner needs to know about a model."""
+
+    name: str
+    n_params: int
+    n_layer: int
+    d_model: int
+    n_head: int
+    n_kv_head: int
+    vocab_size: int
+    seq_len: int
+    embedding_params: int  # parameters only looked up (no matmul): the token (and position) embeddings
+
+    @classmethod
+    def from_preset(cls, preset: Preset | str) -> "ModelShape":
+        """A Llama-shaped :data:`distlab.memory.PRESETS` entry ("7B", "70B", "405B")."""
+        p = PRESETS[preset] if isinstance(preset, str) else preset
+        return cls(p.name, p.n_params, p.n_layer, p.d_model, p.n_head, p.n_kv_head, p.vocab_size, p.seq_len,
+                   p.vocab_size * p.d_model)
+
+    @classmethod
+    def from_config(cls, cfg: GPTConfig, name: str = "lab GPT") -> "ModelShape":
+        """The lab's :class:`~distlab.model.GPT`."""
+        return cls(name, count_params(cfg), cfg.n_layer, cfg.d_model, cfg.n_head, cfg.n_head, cfg.vocab_size,
+                   cfg.seq_len, (cfg.vocab_size + cfg.seq_len) * cfg.d_model)
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_head
+
+    @property
+    def layer_params(self) -> float:
+        """Parameters of one transformer layer (the rest: embeddings, output layer, final norm)."""
+        return (self.n_params - self.embedding_params - self.vocab_size * self.d_model) / self.n_layer
+
+    @property
+    def flops_per_token(self) -> int:
+        return training_flops_per_token(self.n_params - self.embedding_params, self.n_layer, self.d_model,
+                                        self.seq_len)
+
+
+@dataclass(frozen=True)
+class Cluster:
+    """GPUs, how they are wired, and what one can do. Bandwidths: one direction, per GPU."""
+
+    name: str
+    gpus: int
+    gpus_per_node: int = 8
+    hbm_bytes: float = 80 * GB
+    intra_node_bandwidth: float = 450e9  # NVLink 4 (distlab.tensor_parallel.LINKS)
+    inter_node_bandwidth: float = 50e9  # InfiniBand NDR 400 Gb/s, one NIC per GPU
+    peak_flops: float = PEAK_FLOPS["H100 SXM bf16"]
+    intra_node_latency: float = 2e-6  # α per ring step, seconds
+    inter_node_latency: float = 5e-6
+    dollars_per_gpu_hour: float = 2.0
+
+
+def h100_cluster(gpus: int) -> Cluster:
+    """H100 SXM nodes of 8 GPUs, NVLink inside a node, one 400 Gb/s InfiniBand NIC per GPU."""
+    from distlab.tensor_parallel import LINKS
+
+    return Cluster(f"{gpus:,} H100s", gpus, intra_node_bandwidth=LINKS["NVLink 4 (H100, 900 GB/s both ways)"],
+                   inter_node_bandwidth=LINKS["InfiniBand NDR (400 Gb/s)"])
+
+
+@dataclass(frozen=True)
+class Layout:
+    """One way to run: the degrees, the ZeRO stage, micro-batching and recomputation.
+
+    ``m`` micro-batches of ``micro_batch`` sequences per pipeline per step; ``v`` pipeline
+    stages per rank (interleaved 1F1B when ``v > 1``).
+    """
+
+    dp: int
+    tp: int = 1
+    pp: int = 1
+    cp: int = 1
+    ep: int = 1
+    zero: int = 1
+    micro_batch: int = 1
+    m: int = 1
+    v: int = 1
+    checkpointing: bool = False
+
+    @property
+    def world(self) -> int:
+        return self.dp * self.tp * self.pp * self.cp
+
+    def __str__(self) -> str:
+        axes = " × ".join(f"{name} {value}" for name, value in (("TP", self.tp), ("CP", self.cp), ("PP", self.pp),
+                                                                 ("EP", self.ep), ("DP", self.dp))
+                          if value > 1 or name in ("TP", "PP", "DP"))
+        extras = [f"ZeRO-{self.zero}" if self.zero else "DDP", f"m={self.m}"]
+        if self.micro_batch > 1:
+            extras.append(f"mb={self.micro_batch}")
+        if self.v > 1:
+            extras.append(f"v={self.v}")
+        if self.checkpointing:
+            extras.append("ckpt")
+        return f"{axes} ({', '.join(extras)})"
+
+
+@dataclass
+class Estimate:
+    """What one layout costs: per-GPU memory (bytes), time per step (s), MFU, and why it cannot run."""
+
+    layout: Layout
+    reasons: list[str] = field(default_factory=list)
+    memory: dict[str, float] = field(default_factory=dict)
+    seconds: dict[str, float] = field(default_factory=dict)
+    bytes: dict[str, float] = field(default_factory=dict)
+    bubble: float = 0.0
+    step_time: float = math.inf
+    mfu: float = 0.0
+
+    @property
+    def feasible(self) -> bool:
+        return not self.reasons
+
+    def summary(self) -> str:
+        mem = f"{self.memory.get('total', 0) / GB:6.1f} GB"
+        if not self.feasible:
+            return f"{self.layout}: {mem}/GPU — " + "; ".join(self.reasons)
+        return (f"{self.layout}: {mem}/GPU, bubble {self.bubble:.0%}, step {self.step_time:.2f} s, "
+                f"MFU {self.mfu:.0%}")
+
+
+def _link(cluster: Cluster, layout: Layout, axis: str) -> tuple[float, int]:
+    """Bandwidth of ``axis``'s groups and the nodes they span, ranks laid out as Llama 3's [TP, CP, PP, DP]."""
+    nodes = _nodes_spanned(layout.dp, layout.pp, layout.tp, layout.cp, axis, cluster.gpus_per_node)
+    return (cluster.intra_node_bandwidth if nodes == 1 else cluster.inter_node_bandwidth), nodes
+
+
+@functools.lru_cache(maxsize=4096)
+def _nodes_spanned(dp: int, pp: int, tp: int, cp: int, axis: str, gpus_per_node: int) -> int:
+    from distlab.mesh import Grid
+
+    return Grid(dp=dp, pp=pp, tp=tp, cp=cp).nodes_spanned(axis, gpus_per_node)
+
+
+def _layers_per_rank(model: ModelShape, layout: Layout) -> int:
+    """Layers on the fullest rank: uneven splits put the extra layers somewhere (Llama 3: 126 over 16)."""
+    return math.ceil(model.n_layer / (layout.pp * layout.v)) * layout.v
+
+
+def bytes_per_axis(model: ModelShape, layout: Layout, sequence_parallel: bool = True, bytes_per_value: int = 2,
+                   grad_bytes_per_value: int | None = None) -> dict[str, float]:
+    """Payload bytes (the message sizes M, as distlab's comm log counts them) the busiest rank
+    sends along each axis in one step.
+
+    * tp — :func:`~distlab.tensor_parallel.collectives_per_block` for each of its layers and
+      micro-batches, plus the model's edges on the last stage (the output layer's ``f`` and
+      the loss's three one-value-per-token all-reduces; :func:`~distlab.tensor_parallel.collectives_per_step`);
+    * pp — one activation of a micro-batch per forward and one gradient per backward, except at the ends;
+    * cp — :func:`~distlab.context_parallel.cost.ring_bytes`, forward and backward, per layer;
+    * dp — this rank's gradients once per step; ZeRO-2 and ZeRO-3 once per micro-batch and more
+      (:func:`_dp_messages`).
+    """
+    from distlab.context_parallel.cost import ring_bytes
+    from distlab.tensor_parallel import activation_message_bytes, collectives_per_block, collectives_per_step
+
+    t, mb, seq = layout.tp, layout.micro_batch, model.seq_len // layout.cp
+    layers = _layers_per_rank(model, layout)
+    out = {"tp": 0.0, "pp": 0.0, "cp": 0.0, "dp": 0.0}
+    if t > 1:
+        if layout.pp == 1:  # every edge of the model on this rank
+            shape = GPTConfig(vocab_size=model.vocab_size, seq_len=seq, n_layer=layers, n_head=model.n_head,
+                              d_model=model.d_model)
+            table = collectives_per_step(shape, mb, t, sequence_parallel, bytes_per_value)
+            per_micro = sum(payload for phase in table.values() for _, payload in phase.values())
+        else:  # the last stage: its blocks, the output layer's f and the loss; the embedding is on stage 0
+            block = collectives_per_block(mb, seq, model.d_model, t, sequence_parallel, bytes_per_value)
+            edges = collectives_per_step(GPTConfig(vocab_size=model.vocab_size, seq_len=seq, n_layer=1,
+                                                   n_head=model.n_head, d_model=model.d_model),
+                                         mb, t, sequence_parallel, bytes_per_value)
+            # the embedding's collectives: an all-reduce forward, or with SP a reduce-scatter and an all-gather
+            embedding = (2 if sequence_parallel else 1) * activation_message_bytes(mb, seq, model.d_model,
+                                                                                   bytes_per_value)
+            per_block = sum(payload for phase in block.values() for _, payload in phase.values())
+            per_micro = layers * per_block + sum(payload for phase in edges.values()
+                                                 for _, payload in phase.values()) - per_block - embedding
+        recompute = 0
+        if layout.checkpointing:  # the forward runs again in backward, with its collectives
+            recompute = layers * sum(payload for _, payload in collectives_per_block(
+                mb, seq, model.d_model, t, sequence_parallel, bytes_per_value)["forward"].values())
+        out["tp"] = layout.m * (per_micro + recompute)
+    if layout.pp > 1:
+        activation = activation_message_bytes(mb, seq, model.d_model, bytes_per_value)
+        if sequence_parallel:
+            activation /= t  # Megatron sends the sequence shard and all-gathers it on arrival
+        # forward from each of its stages but the model's last, gradients back from each but the first:
+        # a middle rank sends both ways for all v stages; with two ranks, each holds one end
+        out["pp"] = layout.m * (2 * layout.v - 1 if layout.pp == 2 else 2 * layout.v) * activation
+    if layout.cp > 1:
+        out["cp"] = layout.m * layers * ring_bytes(mb, model.n_head, model.seq_len, model.head_dim, layout.cp,
+                                                   bytes_per_value, backward=True, kv_heads=model.n_kv_head)
+    grad_bytes = _params_per_rank(model, layout) * (grad_bytes_per_value or bytes_per_value)
+    if layout.dp * layout.cp > 1:
+        out["dp"] = grad_bytes * _dp_messages(layout)
+    return out
+
+
+def _calls_per_axis(model: ModelShape, layout: Layout) -> dict[str, float]:
+    """Collective calls per step on each axis, each paying the ring's per-step latency α: TP's per
+    block (:func:`~distlab.tensor_parallel.collectives_per_block`), the DP messages bucketed one per
+    layer, and CP's ring steps (N-1 forward, 2N-1 backward) per layer."""
+    from distlab.tensor_parallel import collectives_per_block
+
+    layers = _layers_per_rank(model, layout)
+    block = collectives_per_block(1, model.seq_len, model.d_model, layout.tp, sequence_parallel=True)
+    forward = sum(c for c, _ in block["forward"].values())
+    per_block = forward * (2 if layout.checkpointing else 1) + sum(c for c, _ in block["backward"].values())
+    return {"tp": layout.m * layers * per_block,
+            "cp": layout.m * layers * (3 * layout.cp - 2) if layout.cp > 1 else 0,
+            "dp": layers * _dp_messages(layout) if layout.dp * layout.cp > 1 else 0}
+
+
+def _dp_messages(layout: Layout) -> int:
+    """Gradient-sized messages per step on the DP axis. DDP/ZeRO-1 accumulate the ``m`` micro-batches'
+    gradients locally and reduce once; ZeRO-2 keeps only a shard of the gradients, so every micro-batch's
+    are reduce-scattered as they appear (and the parameters all-gathered after the step); ZeRO-3 also
+    gathers the parameters for each micro-batch's forward and backward."""
+    return {0: 1, 1: 1, 2: layout.m + 1, 3: 3 * layout.m}[layout.zero]
+
+
+def _params_per_rank(model: ModelShape, layout: Layout) -> float:
+    """Parameters on the fullest rank: its layers and the larger end (embedding or output), split by TP."""
+    layers = _layers_per_rank(model, layout)
+    ends = model.vocab_size * model.d_model if layout.pp > 1 else model.n_params - model.n_layer * model.layer_params
+    return (layers * model.layer_params + ends) / layout.tp
+
+
+def _check(model: ModelShape, cluster: Cluster, layout: Layout, global_batch: int) -> list[str]:
+    reasons = []
+    if layout.world != cluster.gpus:
+        reasons.append(f"uses {layout.world:,} GPUs, the cluster has {cluster.gpus:,}")
+    if layout.tp > cluster.gpus_per_node:
+        reasons.append(f"TP {layout.tp} spans {math.ceil(layout.tp / cluster.gpus_per_node)} nodes: its "
+                       f"per-layer collectives would cross the {cluster.inter_node_bandwidth / GB:.0f} GB/s network")
+    if model.n_kv_head % layout.tp or model.n_head % layout.tp:
+        reasons.append(f"TP {layout.tp} does not divide the {model.n_kv_head} KV heads")
+    if layout.ep > 1:
+        reasons.append(f"EP {layout.ep} needs experts; {model.name} is dense")
+    if model.seq_len % (2 * layout.cp) and layout.cp > 1:
+        reasons.append(f"CP {layout.cp} does not split the {model.seq_len}-token sequence into 2·CP chunks")
+    if layout.pp * layout.v > model.n_layer:
+        reasons.append(f"{layout.pp * layout.v} pipeline stages for {model.n_layer} layers")
+    if layout.dp * layout.micro_batch * layout.m != global_batch:
+        reasons.append(f"DP {layout.dp} × micro-batch {layout.micro_batch} × m {layout.m} ≠ the global batch of "
+                       f"{global_batch} sequences")
+    if layout.pp > 1 and layout.zero >= 2:
+        reasons.append(f"ZeRO-{layout.zero} with PP {layout.pp}: sharded gradients cannot accumulate over the "
+                       f"micro-batches (Megatron-LM and DeepSpeed pipelines allow ZeRO-1 at most)")
+    if layout.v > 1 and layout.m % layout.pp:
+        reasons.append(f"interleaving needs m={layout.m} to be a multiple of PP {layout.pp}")
+    return reasons
+
+
+def estimate(model: ModelShape, cluster: Cluster, layout: Layout, global_batch: int,
+             matmul_efficiency: float = 0.7, headroom: float = 0.1) -> Estimate:
+    """Memory, time and MFU of ``layout``, and every reason it cannot run.
+
+    ``matmul_efficiency``: the share of peak FLOP/s the matmuls reach (an assumption, stated);
+    ``headroom``: the share of HBM kept free for buffers and fragmentation.
+    """
+    from distlab.pipeline_parallel import bubble_fraction, interleaved_bubble_fraction, peak_in_flight
+    from distlab.tensor_parallel import activation_bytes_per_layer_tp
+
+    est = Estimate(layout, reasons=_check(model, cluster, layout, global_batch))
+    if any("does not divide" in r or "stages for" in r or "interleaving" in r or "global batch" in r
+           or "cannot accumulate" in r for r in est.reasons):
+        return est  # the shapes do not work: nothing to estimate
+    seq, mb = model.seq_len // layout.cp, layout.micro_batch
+    layers = _layers_per_rank(model, layout)
+    per_param = bytes_per_param(layout.zero, layout.dp * layout.cp)
+    params = _params_per_rank(model, layout)
+    full_layer = activation_bytes_per_layer_tp(seq, mb, model.d_model, model.n_head, layout.tp,
+                                               sequence_parallel=True, flash_attention=True)
+    if layout.checkpointing:  # keep each layer's input (a sequence shard), recompute one layer at a time
+        per_layer = activation_bytes_per_layer(seq, mb, model.d_model, model.n_head, checkpointing=True) / layout.tp
+        working = full_layer
+    else:
+        per_layer, working = full_layer, 0
+    in_flight = peak_in_flight(layout.pp, layout.m, layout.v) if layout.pp > 1 else 1
+    est.memory = {"params": params * per_param.params, "grads": params * per_param.grads,
+                  "optimizer": params * per_param.optimizer,
+                  "activations": in_flight * layers * per_layer + working}
+    est.memory["states"] = est.memory["params"] + est.memory["grads"] + est.memory["optimizer"]
+    est.memory["total"] = est.memory["states"] + est.memory["activations"]
+    usable = cluster.hbm_bytes * (1 - headroom)
+    if est.memory["total"] > usable:
+        est.reasons.append(f"needs {est.memory['total'] / GB:.0f} GB per GPU ({est.memory['states'] / GB:.0f} GB "
+                           f"states + {est.memory['activations'] / GB:.0f} GB activations), over the "
+                           f"{usable / GB:.0f} GB usable of {cluster.hbm_bytes / GB:.0f} GB HBM")
+    # time
+    tokens = global_batch * model.seq_len
+    flops = model.flops_per_token * tokens
+    compute = flops / cluster.gpus / (cluster.peak_flops * matmul_efficiency)
+    if layout.checkpointing:
+        compute *= 8 / 6  # one more forward (2N of the 6N)
+    est.bytes = bytes_per_axis(model, layout)
+    seconds = {"compute": compute}
+    links = {axis: _link(cluster, layout, axis) for axis in ("tp", "cp", "pp", "dp")}
+    calls = _calls_per_axis(model, layout)
+
+    def on_link(axis: str, wire_bytes: float, latencies: float) -> float:  # the α–β model
+        bandwidth, nodes = links[axis]
+        alpha = cluster.intra_node_latency if nodes == 1 else cluster.inter_node_latency
+        return latencies * alpha + wire_bytes / bandwidth
+
+    # TP with SP: all-gathers and reduce-scatters, (t-1)/t of each payload in t-1 ring steps; the
+    # ring-attention and point-to-point bytes are already what a rank sends
+    seconds["tp"] = on_link("tp", ring_all_gather_bytes(est.bytes["tp"], layout.tp), calls["tp"] * (layout.tp - 1))
+    seconds["cp"] = on_link("cp", est.bytes["cp"], calls["cp"])
+    seconds["pp"] = on_link("pp", est.bytes["pp"], 0)
+    n = layout.dp * layout.cp
+    if layout.zero >= 2:  # gathers and reduce-scatters
+        dp_time = on_link("dp", ring_all_gather_bytes(est.bytes["dp"], n), calls["dp"] * (n - 1))
+    else:  # all-reduces (ZeRO-1: a reduce-scatter and an all-gather, the same)
+        latencies, wire = all_reduce_cost("ring", est.bytes["dp"], n)
+        dp_time = on_link("dp", wire, latencies * calls["dp"])
+    hidden = {3: compute, 2: compute * 2 / 3}.get(layout.zero, compute * (2 / 3) / layout.m)
+    seconds["dp exposed"] = max(0.0, dp_time - hidden)
+    est.bubble = (bubble_fraction(layout.pp, layout.m) if layout.v == 1 else
+                  interleaved_bubble_fraction(layout.pp, layout.m, layout.v))
+    slot_work = compute + seconds["tp"] + seconds["cp"] + seconds["pp"]
+    seconds["bubble"] = slot_work * est.bubble / (1 - est.bubble)
+    est.seconds = seconds
+    est.step_time = slot_work + seconds["bubble"] + seconds["dp exposed"]
+    est.mfu = mfu(model.flops_per_token, tokens / est.step_time / cluster.gpus, cluster.peak_flops)
+    return est
+
+
+def _divisors(n: int) -> list[int]:
+    return [d for d in range(1, n + 1) if n % d == 0]
+
+
+def enumerate_layouts(model: ModelShape, cluster: Cluster, global_batch: int, tp=(1, 2, 4, 8, 16), cp=(1, 2),
+                      zero=(0, 1, 2, 3), micro_batch=(1, 2), v=(1, 2, 4), checkpointing=(False, True),
+                      max_pp: int = 64):
+    """Every layout that uses all the GPUs and splits the batch: TP and CP as given, PP any
+    divisor (up to ``max_pp``), DP the rest, ``m`` = batch / (DP × micro-batch)."""
+    for t, c in itertools.product(tp, cp):
+        for p in _divisors(cluster.gpus // (t * c)) if cluster.gpus % (t * c) == 0 else []:
+            if p > max_pp or p > model.n_layer:
+                continue
+            d = cluster.gpus // (t * c * p)
+            for mb in micro_batch:
+                if global_batch % (d * mb):
+                    continue
+                for z, vv, ck in itertools.product(zero, v if p > 1 else (1,), checkpointing):
+                    yield Layout(dp=d, tp=t, pp=p, cp=c, zero=z, micro_batch=mb, m=global_batch // (d * mb), v=vv,
+                                 checkpointing=ck)
+
+
+@dataclass
+class Plan:
+    """Feasible layouts, fastest first, and the near-misses (infeasible, best first) with their reasons."""
+
+    model: ModelShape
+    cluster: Cluster
+    global_batch: int
+    feasible: list[Estimate]
+    near_misses: list[Estimate]
+
+    @property
+    def best(self) -> Estimate:
+        if not self.feasible:
+            why = "\n".join("  " + e.summary() for e in self.near_misses[:3])
+            raise ValueError(f"no layout of {self.model.name} fits {self.cluster.name} with a batch of "
+                             f"{self.global_batch} sequences; the nearest:\n{why}")
+        return self.feasible[0]
+
+    def rank_of(self, layout: Layout) -> int | None:
+        """1-based place of ``layout`` among the feasible ones (None: not feasible)."""
+        return next((i + 1 for i, e in enumerate(self.feasible) if e.layout == layout), None)
+
+    def find(self, **degrees) -> Estimate:
+        """The fastest estimate (feasible first) whose layout has these fields, e.g. ``find(tp=4, pp=4)``."""
+        for e in self.feasible + self.near_misses:
+            if all(getattr(e.layout, k) == val for k, val in degrees.items()):
+                return e
+        raise KeyError(f"no enumerated layout has {degrees}")
+
+    def table(self, n: int = 5) -> str:
+        lines = [f"{self.model.name} on {self.cluster.name}, {self.global_batch} sequences × "
+                 f"{self.model.seq_len} tokens"]
+        lines += [f"{i + 1:2d}. {e.summary()}" for i, e in enumerate(self.feasible[:n])]
+        if not self.feasible:
+            lines.append("no feasible layout; the nearest:")
+            lines += ["    " + e.summary() for e in self.near_misses[:n]]
+        return "\n".join(lines)
+
+
+def plan(model: ModelShape | str, cluster: Cluster, global_batch: int, matmul_efficiency: float = 0.7,
+         headroom: float = 0.1, **choices) -> Plan:
+    """Estimate every layout of :func:`enumerate_layouts` and rank them by step time."""
+    model = ModelShape.from_preset(model) if isinstance(model, str) else model
+    if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
+        raise ValueError(f"global_batch must be a positive number of sequences, got {global_batch!r}")
+    estimates = [estimate(model, cluster, layout, global_batch, matmul_efficiency, headroom)
+                 for layout in enumerate_layouts(model, cluster, global_batch, **choices)]
+    feasible = sorted((e for e in estimates if e.feasible), key=lambda e: (e.step_time, e.memory["total"]))
+    # near-misses: the shapes work, only a resource is short; least over the limit first
+    near = sorted((e for e in estimates if not e.feasible and e.memory),
+                  key=lambda e: (len(e.reasons), e.memory["total"], e.step_time))
+    return Plan(model, cluster, global_batch, feasible, near)
+
+
+def run_cost(model: ModelShape | str, tokens: float, cluster: Cluster, mfu_value: float,
+             tokens_per_step: float) -> dict[str, float]:
+    """The seeds' arithmetic for a whole run: steps, days and dollars to train on ``tokens`` at ``mfu_value``."""
+    from distlab.flops import tokens_per_second
+
+    model = ModelShape.from_preset(model) if isinstance(model, str) else model
+    rate = tokens_per_second(mfu_value, model.flops_per_token, cluster.peak_flops, cluster.gpus)
+    seconds = tokens / rate
+    return {"steps": tokens / tokens_per_step, "days": seconds / 86400, "tokens_per_second": rate,
+            "dollars": seconds / 3600 * cluster.gpus * cluster.dollars_per_gpu_hour,
+            "six_n_d_flops": 6 * model.n_params * tokens}
+
+
+def gradient_all_reduce_seconds(model: ModelShape | str, gpus: int, bandwidth: float,
+                                bytes_per_value: int = 2) -> float:
+    """One DDP gradient all-reduce of the whole model over a ring of ``gpus`` at ``bandwidth`` (bytes/s)."""
+    model = ModelShape.from_preset(model) if isinstance(model, str) else model
+    return ring_all_reduce_bytes(model.n_params * bytes_per_value, gpus) / bandwidth
+
+
+def plot_plan(ax, result: Plan, highlight: Layout | None = None, hbm_headroom: float = 0.1):
+    """Every estimated layout as memory per GPU against MFU: feasible ones coloured by PP,
+    those over the memory limit grey; ``highlight`` (a published layout, say) starred."""
+    import matplotlib
+
+    usable = result.cluster.hbm_bytes * (1 - hbm_headroom) / GB
+    over = [e for e in result.near_misses if e.mfu > 0]
+    if over:
+        ax.scatter([e.memory["total"] / GB for e in over], [e.mfu for e in over], s=8, c="0.8",
+                   label="does not fit or not allowed")
+    depths = sorted({e.layout.pp for e in result.feasible})
+    cmap = matplotlib.colormaps["viridis"]
+    for i, pp in enumerate(depths):
+        group = [e for e in result.feasible if e.layout.pp == pp]
+        ax.scatter([e.memory["total"] / GB for e in group], [e.mfu for e in group], s=14,
+                   color=cmap(i / max(1, len(depths) - 1)), label=f"PP {pp}")
+    if highlight is not None:
+        e = next((e for e in result.feasible + result.near_misses if e.layout == highlight), None)
+        if e is not None:
+            ax.scatter([e.memory["total"] / GB], [e.mfu], marker="*", s=220, color="crimson", zorder=5,
+                       label=str(highlight).split(" (")[0])
+    ax.axvline(usable, color="crimson", lw=1, ls="--")
+    ax.set_xscale("log")
+    ax.set_xlabel("memory per GPU (GB, log)")
+    ax.set_ylabel("estimated MFU")
+    ax.set_title(f"{result.model.name} on {result.cluster.name}: {len(result.feasible)} feasible layouts", fontsize=10)
+    ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
+    return ax

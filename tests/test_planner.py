@@ -1,0 +1,90 @@
+"""The parallelism planner: published layouts, infeasible ones with their reasons, and the seeds' arithmetic."""
+
+import pytest
+
+from distlab.memory import PRESETS
+from distlab.model import GPTConfig, flops_per_token
+from distlab.pipeline_parallel import make_schedule, peak_in_flight, simulate
+from distlab.planner import (Layout, ModelShape, bytes_per_axis, estimate, gradient_all_reduce_seconds, h100_cluster,
+                             plan, plot_plan, run_cost)
+
+
+@pytest.mark.parametrize("p,m,v", [(4, 16, 1), (4, 2, 1), (8, 8, 1), (4, 8, 2), (4, 4, 4), (8, 16, 2)])
+def test_peak_in_flight_is_what_the_simulated_schedule_holds(p, m, v):
+    sim = simulate(make_schedule("interleaved" if v > 1 else "1f1b", p, m, v), m, v)
+    assert peak_in_flight(p, m, v) == sim.peak_in_flight[0]
+
+
+def test_model_shape_uses_the_one_flops_formula():
+    cfg = GPTConfig(n_layer=3, d_model=64, tied_embeddings=False)
+    assert ModelShape.from_config(cfg).flops_per_token == flops_per_token(cfg)
+    shape = ModelShape.from_preset("70B")
+    assert shape.n_params == PRESETS["70B"].n_params
+
+
+def test_llama3_405b_layout_is_in_the_top_tier_with_tp_inside_a_node():
+    result = plan("405B", h100_cluster(16384), 2048, cp=(1,))  # Llama 3's 8K stage: no CP
+    published = result.find(tp=8, pp=16, dp=128, zero=1)
+    assert published.feasible, published.reasons
+    assert published.step_time <= 1.03 * result.best.step_time
+    assert all(e.layout.tp == 8 for e in result.feasible[:5])
+    tp16 = estimate(result.model, result.cluster, Layout(dp=64, tp=16, pp=16, zero=1, m=32), 2048)
+    assert any("TP 16 spans 2 nodes" in r for r in tp16.reasons)
+
+
+def test_70b_on_1024_h100s_picks_the_seeds_layout():
+    result = plan("70B", h100_cluster(1024), 2048, cp=(1,))
+    best = result.best.layout
+    assert (best.tp, best.pp, best.dp) == (4, 4, 64)
+    ddp = result.find(tp=1, pp=1, dp=1024, zero=0)
+    assert not ddp.feasible and any("over the 72 GB usable" in r for r in ddp.reasons)
+    fsdp = result.find(tp=1, pp=1, dp=1024, zero=3)  # fits, but its gathers cross the network every micro-batch
+    assert fsdp.feasible and fsdp.step_time > 1.2 * result.best.step_time
+
+
+def test_70b_on_one_node_does_not_fit_and_says_why():
+    result = plan("70B", h100_cluster(8), 64)
+    assert not result.feasible
+    with pytest.raises(ValueError, match="no layout of 70B fits 8 H100s"):
+        result.best
+    zero3 = result.find(dp=8, zero=3, checkpointing=True)
+    assert zero3.memory["states"] == pytest.approx(PRESETS["70B"].memory(8, 3).states)
+    assert any("states" in r and "over the 72 GB usable" in r for r in zero3.reasons)
+    assert plan("70B", h100_cluster(16), 64).feasible  # two nodes do
+
+
+def test_bad_planner_input_is_one_line():
+    with pytest.raises(ValueError, match="global_batch must be a positive number"):
+        plan("7B", h100_cluster(8), 0)
+
+
+def test_bytes_per_axis_for_the_lab_run_counts_every_collective():
+    cfg = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32, tied_embeddings=False)
+    got = bytes_per_axis(ModelShape.from_config(cfg), Layout(dp=2, tp=2, pp=2, zero=0, micro_batch=2, m=2),
+                         sequence_parallel=False, bytes_per_value=4)
+    # measured on 8 gloo ranks in tests/test_mesh.py: tp 41,728 and pp 8,192 exactly
+    assert (got["tp"], got["pp"]) == (41728, 8192)
+
+
+def test_the_seeds_cost_arithmetic():
+    cost = run_cost("70B", 1.4e12, h100_cluster(1024), 0.5, tokens_per_step=2048 * 4096)
+    assert cost["steps"] == pytest.approx(1.4e12 / (2048 * 4096))
+    assert 10 < cost["days"] < 20  # the seeds' "30–40 days" is 2–3× too long
+    nvlink = gradient_all_reduce_seconds("7B", 8, 450e9)
+    infiniband = gradient_all_reduce_seconds("7B", 8, 50e9)
+    assert infiniband / nvlink == pytest.approx(9.0)
+    assert 0.04 < nvlink < 0.06
+
+
+def test_plot_plan_draws_every_estimate_and_the_highlight():
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    result = plan("70B", h100_cluster(1024), 2048, cp=(1,))
+    fig, ax = plt.subplots()
+    plot_plan(ax, result, highlight=result.best.layout)
+    drawn = sum(len(c.get_offsets()) for c in ax.collections)
+    assert drawn == len(result.feasible) + len([e for e in result.near_misses if e.mfu > 0]) + 1
+    plt.close(fig)
