@@ -200,3 +200,33 @@ def test_every_lab_opens_on_colab_and_kaggle_and_installs_itself_only_where_need
     assert "'git', 'clone'" in done.stdout and "'-c', 'keep-torch.txt'" in done.stdout, done.stdout + done.stderr
     import torch
     assert (tmp_path / "keep-torch.txt").read_text() == f"torch=={torch.__version__}\n"
+
+
+def test_shell_replies_are_awaited_in_slices_so_a_missed_wakeup_costs_a_second_not_the_time_limit():
+    """nbclient#312: with widgets, a pending reply can go unnoticed until the wait's timeout ends."""
+    import asyncio
+    import queue
+    from types import SimpleNamespace
+
+    from distlab import notebooks
+
+    asked = []
+
+    async def get_msg(timeout=None):
+        asked.append(timeout)
+        if len(asked) < 3:  # the reply "arrived" but this wait missed it: it only ends at its timeout
+            raise queue.Empty
+        return {"msg_type": "execute_reply"}
+
+    channel = SimpleNamespace(get_msg=get_msg)
+    notebooks._poll_shell_in_slices(channel)
+    assert asyncio.run(channel.get_msg(timeout=600)) == {"msg_type": "execute_reply"}
+    assert len(asked) == 3 and all(t <= notebooks.SHELL_POLL_SECONDS for t in asked)
+
+    async def never(timeout=None):
+        raise queue.Empty
+
+    channel = SimpleNamespace(get_msg=never)
+    notebooks._poll_shell_in_slices(channel)
+    with pytest.raises(queue.Empty):  # the caller's own time limit still ends the wait
+        asyncio.run(channel.get_msg(timeout=0.05))

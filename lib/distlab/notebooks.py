@@ -399,13 +399,49 @@ def _kernel_manager_class(workdir: str, factory: KernelFactory | None = None):
 
 # ---------------------------------------------------------------- execution
 
+SHELL_POLL_SECONDS = 1.0
+
+
+def _poll_shell_in_slices(channel) -> None:
+    """Wait for shell replies in slices of :data:`SHELL_POLL_SECONDS` instead of one long wait.
+
+    nbclient waits for a cell's ``execute_reply`` with a single ``get_msg(timeout=<the cell's
+    whole time limit>)``. When the cell displays ipywidgets, nbclient also *sends* on the shell
+    socket while that wait is pending, and the asyncio zmq poll can miss the reply's arrival
+    (jupyter/nbclient#312): the kernel is idle, the reply sits in the socket, and the wait lasts
+    until the time limit — a stub lab with a widget then "hung" for 600 s under load. A fresh
+    poll sees the waiting message, so waiting in slices bounds that miss to one slice.
+    """
+    import queue
+
+    wait = channel.get_msg
+
+    async def get_msg(timeout: float | None = None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                return await wait(timeout=SHELL_POLL_SECONDS if left is None else min(SHELL_POLL_SECONDS, left))
+            except queue.Empty:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+
+    channel.get_msg = get_msg
+
+
 def _client(notebook: nbformat.NotebookNode, path: Path, manager_class, allow_errors: bool, timeout_func):
     from nbclient import NotebookClient
 
-    return NotebookClient(notebook, timeout_func=timeout_func, allow_errors=allow_errors,
-                          kernel_name=notebook.metadata.get("kernelspec", {}).get("name", "python3"),
-                          kernel_manager_class=manager_class,
-                          resources={"metadata": {"path": str(Path(path).resolve().parent)}})
+    class Client(NotebookClient):
+        async def async_start_new_kernel_client(self):
+            client = await super().async_start_new_kernel_client()
+            _poll_shell_in_slices(client.shell_channel)
+            return client
+
+    return Client(notebook, timeout_func=timeout_func, allow_errors=allow_errors,
+                  kernel_name=notebook.metadata.get("kernelspec", {}).get("name", "python3"),
+                  kernel_manager_class=manager_class,
+                  resources={"metadata": {"path": str(Path(path).resolve().parent)}})
 
 
 def execute(path: Path, cell_timeout: int = 600, allow_errors: bool = False,
