@@ -405,6 +405,7 @@ class _RankGroup:
         crashed: dict[int, int | None] = {}
         unpicklable: dict[int, str] = {}
         first_failure_at = None
+        settled_at = start  # when a rank last finished: a peer it just released may not have run yet
         while pending:
             waitables = [self.conns[r] for r in pending] + [self.procs[r].sentinel for r in pending]
             for ready in multiprocessing.connection.wait(waitables, timeout=0.05):
@@ -431,6 +432,7 @@ class _RankGroup:
                     spans += message[4]
                     ledgers[r] = message[5]
                 pending.discard(r)
+                settled_at = time.perf_counter()
             now = time.perf_counter()
             if (errors or crashed) and first_failure_at is None:
                 first_failure_at = now
@@ -441,7 +443,7 @@ class _RankGroup:
                     if isinstance(failure, RankFailed):
                         failure.group_intact = _group_intact(errors, crashed, pending, ledgers)
                     return failure
-            stuck = self._stuck_ranks(pending, now)
+            stuck = self._stuck_ranks(pending, now, settled_at)
             if stuck:
                 return self._timeout_report(stuck, {}, pending, crashed, frames=self._blocked_frames(stuck))
             if timeout is not None and now - start > timeout:
@@ -636,10 +638,16 @@ class _RankGroup:
                 parts.append(f"rank {r}: finished its job")
         return (f"{heading}: " + "; ".join(parts) + ".") if parts else ""
 
-    def _stuck_ranks(self, pending, now) -> dict[int, tuple[str, float, int]]:
+    def _stuck_ranks(self, pending, now, settled_at) -> dict[int, tuple[str, float, int]]:
         """Blocked ranks the watchdog ends: all of them when every running rank has been blocked for
         ``collective_timeout`` (nobody left to unblock them), or those that waited ``patience`` for a
-        peer still computing."""
+        peer still computing.
+
+        A rank that finished may have just completed the collective its blocked peer is still
+        inside: on a loaded machine the peer can need a while to be scheduled and return. So the
+        running ranks are judged only once ``collective_timeout`` has also passed since the last
+        rank finished (``settled_at``), never at the moment a peer is released.
+        """
         blocked = {}
         for r in pending:
             status = self._status(r)
@@ -648,7 +656,8 @@ class _RankGroup:
         if not blocked:
             return {}
         if len(blocked) == len(pending):
-            if all(secs > self.collective_timeout for _, secs, _ in blocked.values()):
+            if (all(secs > self.collective_timeout for _, secs, _ in blocked.values())
+                    and now - settled_at > self.collective_timeout):
                 return blocked
             return {}
         return {r: b for r, b in blocked.items() if b[1] > self.patience}
