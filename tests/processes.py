@@ -1,5 +1,7 @@
 """Finding the rank processes a test started, to prove none outlive a launch."""
 
+import time
+
 import psutil
 
 
@@ -20,3 +22,16 @@ def rank_processes() -> list[psutil.Process]:
         except psutil.NoSuchProcess:
             pass
     return found
+
+
+def shared_ranks_end_here():
+    """The body of a module-scoped fixture for tests that share warm groups (``Ranks.shared``, as
+    the checkers do): after the module the groups close and no rank process may be left."""
+    import distlab
+
+    yield
+    distlab.shutdown()
+    deadline = time.monotonic() + 5
+    while rank_processes() and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not rank_processes(), f"rank processes left behind: {rank_processes()}"

@@ -5,7 +5,6 @@ guard skips and rolls back consistently on every rank, and the cadence formulas 
 import copy
 import math
 import sys
-import time
 
 import cloudpickle
 import pytest
@@ -25,7 +24,7 @@ from distlab.fault_tolerance.reshard import fsdp_job
 from distlab.fault_tolerance.stall import stall_summary, timed_training
 from distlab.launcher import CollectiveTimeout, RankCrashed
 from distlab.model import GPT, GPTConfig, synthetic_batch
-from processes import rank_processes
+from processes import shared_ranks_end_here
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layer=1, n_head=2, d_model=16)
 SMALL = dict(cfg=CFG, batch_size=4, n_items=10)  # 10 sequences, batches of 4: epochs wrap mid-run
@@ -41,12 +40,7 @@ def ranks_end_with_the_module():
     """The tests share warm groups (``Ranks.shared``, as the checkers do), so a rank start is paid once
     per module, not per test. At the end of the module the groups close and no rank may be left: the
     module-wide form of conftest's ``no_leftover_ranks``."""
-    yield
-    distlab.shutdown()
-    deadline = time.monotonic() + 5
-    while rank_processes() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not rank_processes(), f"rank processes left behind: {rank_processes()}"
+    yield from shared_ranks_end_here()
 
 
 def _ranks(n):

@@ -5,7 +5,6 @@ import math
 import random
 import statistics
 import sys
-import time
 
 import cloudpickle
 import pytest
@@ -18,7 +17,7 @@ from distlab.fault_tolerance import (SpikeGuard, TrainState, find_divergent_repl
                                      latest_checkpoint, load_checkpoint, make_training, resumable_train,
                                      save_checkpoint, train_step_ddp, young_interval)
 from distlab.grading import CheckFailed, lab12
-from processes import rank_processes
+from processes import shared_ranks_end_here
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 pytestmark = [pytest.mark.timeout(300)]
@@ -27,12 +26,7 @@ pytestmark = [pytest.mark.timeout(300)]
 @pytest.fixture(scope="module", autouse=True)
 def ranks_end_with_the_module():
     """The checkers keep warm groups (``Ranks.shared``); they end with the module, and no rank may be left."""
-    yield
-    distlab.shutdown()
-    deadline = time.monotonic() + 5
-    while rank_processes() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not rank_processes(), f"rank processes left behind: {rank_processes()}"
+    yield from shared_ranks_end_here()
 
 
 # ---------------------------------------------------------------- answers a student might give

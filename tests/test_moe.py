@@ -5,12 +5,11 @@ all-to-all bytes equal the formula; and the checkers pass the reference while na
 mistake in typical wrong answers."""
 
 import math
-import time
 
 import pytest
 import torch
 import torch.distributed as dist
-from processes import rank_processes
+from processes import shared_ranks_end_here
 
 import distlab
 from distlab import moe as M
@@ -27,12 +26,7 @@ D, E = 12, 8
 def no_ranks_left_after_this_module():
     """The warm groups below live for the whole module (a fresh launch per test would cost seconds
     each), so the check that no rank outlives the tests runs once, after they are shut down."""
-    yield
-    distlab.shutdown()
-    deadline = time.monotonic() + 5
-    while rank_processes() and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not rank_processes(), f"rank processes left behind: {rank_processes()}"
+    yield from shared_ranks_end_here()
 
 
 @pytest.fixture(scope="module")
