@@ -5,7 +5,7 @@ import pytest
 from distlab.memory import PRESETS
 from distlab.model import GPTConfig, flops_per_token
 from distlab.pipeline_parallel import make_schedule, peak_in_flight, simulate
-from distlab.planner import (Layout, ModelShape, bytes_per_axis, estimate, gradient_all_reduce_seconds, h100_cluster,
+from distlab.planner import (Cluster, Layout, ModelShape, bytes_per_axis, estimate, gradient_all_reduce_seconds, h100_cluster,
                              plan, plot_plan, run_cost)
 
 
@@ -88,3 +88,11 @@ def test_plot_plan_draws_every_estimate_and_the_highlight():
     drawn = sum(len(c.get_offsets()) for c in ax.collections)
     assert drawn == len(result.feasible) + len([e for e in result.near_misses if e.mfu > 0]) + 1
     plt.close(fig)
+
+
+def test_tp_groups_that_straddle_a_node_boundary_are_rejected():
+    six_per_node = Cluster("24 GPUs, 6 per node", 24, gpus_per_node=6)
+    straddling = estimate(ModelShape.from_preset("70B"), six_per_node, Layout(dp=6, tp=4, zero=3, m=1), 6)
+    assert any("TP 4 spans 2 nodes" in r for r in straddling.reasons), straddling.reasons  # ranks 4-7 cross 5|6
+    inside = estimate(ModelShape.from_preset("70B"), six_per_node, Layout(dp=4, tp=6, zero=3, m=1), 4)
+    assert not any("spans" in r for r in inside.reasons), inside.reasons

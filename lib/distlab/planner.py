@@ -276,9 +276,10 @@ def _check(model: ModelShape, cluster: Cluster, layout: Layout, global_batch: in
     reasons = []
     if layout.world != cluster.gpus:
         reasons.append(f"uses {layout.world:,} GPUs, the cluster has {cluster.gpus:,}")
-    if layout.tp > cluster.gpus_per_node:
-        reasons.append(f"TP {layout.tp} spans {math.ceil(layout.tp / cluster.gpus_per_node)} nodes: its "
-                       f"per-layer collectives would cross the {cluster.inter_node_bandwidth / GB:.0f} GB/s network")
+    tp_nodes = _nodes_spanned(layout.dp, layout.pp, layout.tp, layout.cp, "tp", cluster.gpus_per_node)
+    if tp_nodes > 1:  # more TP ranks than a node has, or TP groups that straddle a node boundary
+        reasons.append(f"TP {layout.tp} spans {tp_nodes} nodes: its per-layer collectives would cross the "
+                       f"{cluster.inter_node_bandwidth / GB:.0f} GB/s network")
     if model.n_kv_head % layout.tp or model.n_head % layout.tp:
         reasons.append(f"TP {layout.tp} does not divide the {model.n_kv_head} KV heads")
     if layout.ep > 1:
