@@ -22,14 +22,30 @@ def test_model_shape_uses_the_one_flops_formula():
     assert shape.n_params == PRESETS["70B"].n_params
 
 
-def test_llama3_405b_layout_is_in_the_top_tier_with_tp_inside_a_node():
-    result = plan("405B", h100_cluster(16384), 2048, cp=(1,))  # Llama 3's 8K stage: no CP
-    published = result.find(tp=8, pp=16, dp=128, zero=1)
-    assert published.feasible, published.reasons
-    assert published.step_time <= 1.03 * result.best.step_time
+def test_llama3_405b_layout_is_the_best_with_its_fp32_gradients_and_tp_inside_a_node():
+    # Llama 3's 8K stage: no CP; gradients accumulated and reduce-scattered in fp32 (Dubey et al. 2024, §3.3.2)
+    result = plan("405B", h100_cluster(16384), 2048, cp=(1,), precision="mixed_fp32_grads")
+    best = result.best.layout
+    assert (best.tp, best.pp, best.dp, best.zero) == (8, 16, 128, 1)
     assert all(e.layout.tp == 8 for e in result.feasible[:5])
+    pp4 = result.find(tp=8, pp=4, dp=512, zero=1)  # the fastest with bf16 gradients no longer fits
+    assert not pp4.feasible and any("over the 72 GB usable" in r for r in pp4.reasons)
+    bf16 = plan("405B", h100_cluster(16384), 2048, cp=(1,))
+    assert bf16.find(tp=8, pp=4, dp=512, zero=1).feasible
+    assert bf16.find(tp=8, pp=16, dp=128, zero=1).step_time <= 1.03 * bf16.best.step_time
     tp16 = estimate(result.model, result.cluster, Layout(dp=64, tp=16, pp=16, zero=1, m=32), 2048)
     assert any("TP 16 spans 2 nodes" in r for r in tp16.reasons)
+
+
+def test_fp32_gradients_double_gradient_memory_and_zero1_reduce_scatter_traffic():
+    model, cluster = ModelShape.from_preset("70B"), h100_cluster(1024)
+    layout = Layout(dp=64, tp=4, pp=4, zero=1, m=32, v=4)
+    bf16 = estimate(model, cluster, layout, 2048)
+    fp32 = estimate(model, cluster, layout, 2048, precision="mixed_fp32_grads")
+    assert fp32.memory["grads"] == pytest.approx(2 * bf16.memory["grads"])
+    assert fp32.memory["params"] == bf16.memory["params"]
+    assert fp32.bytes["dp"] == pytest.approx(2 * bf16.bytes["dp"])
+    assert fp32.seconds["dp exposed"] > bf16.seconds["dp exposed"]
 
 
 def test_70b_on_1024_h100s_picks_the_seeds_layout():

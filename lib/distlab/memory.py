@@ -170,7 +170,9 @@ def memory_report(model: nn.Module, optimizer=None, activations: "int | Activati
 # Bytes per parameter before sharding: (params, grads, optimizer state) for Adam.
 # mixed: bf16 params (2) + bf16 grads (2) + fp32 master params, Adam m, Adam v (4+4+4 = 12).
 # fp32:  fp32 params (4) + fp32 grads (4) + Adam m, v (4+4 = 8).
-_UNSHARDED = {"mixed": (2, 2, 12), "fp32": (4, 4, 8)}
+# mixed_fp32_grads: mixed, but the gradients accumulate over micro-batches and are reduced in fp32
+#   (4): Megatron-LM's `--accumulate-allreduce-grads-in-fp32`, and Llama 3's choice for stability.
+_UNSHARDED = {"mixed": (2, 2, 12), "fp32": (4, 4, 8), "mixed_fp32_grads": (2, 4, 12)}
 
 
 @dataclass(frozen=True)
@@ -191,7 +193,8 @@ def bytes_per_param(zero_stage: int, world_size: int, precision: str = "mixed") 
 
     ZeRO shards, over ``world_size`` ranks, stage 1: optimizer state; stage 2: + gradients;
     stage 3: + parameters. Mixed precision: 16 | 4 + 12/N | 2 + 14/N | 16/N.
-    fp32: 16 | 8 + 8/N | 4 + 12/N | 16/N.
+    fp32: 16 | 8 + 8/N | 4 + 12/N | 16/N. ``"mixed_fp32_grads"`` (bf16 parameters, fp32 gradients):
+    18 | 6 + 12/N | 2 + 16/N | 18/N.
     """
     if zero_stage not in (0, 1, 2, 3) or isinstance(zero_stage, bool):
         raise ValueError(f"zero_stage={zero_stage!r}; expected 0, 1, 2 or 3")

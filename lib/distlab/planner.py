@@ -300,11 +300,13 @@ def _check(model: ModelShape, cluster: Cluster, layout: Layout, global_batch: in
 
 
 def estimate(model: ModelShape, cluster: Cluster, layout: Layout, global_batch: int,
-             matmul_efficiency: float = 0.7, headroom: float = 0.1) -> Estimate:
+             matmul_efficiency: float = 0.7, headroom: float = 0.1, precision: str = "mixed") -> Estimate:
     """Memory, time and MFU of ``layout``, and every reason it cannot run.
 
     ``matmul_efficiency``: the share of peak FLOP/s the matmuls reach (an assumption, stated);
-    ``headroom``: the share of HBM kept free for buffers and fragmentation.
+    ``headroom``: the share of HBM kept free for buffers and fragmentation; ``precision``: a
+    :func:`distlab.memory.bytes_per_param` precision — ``"mixed_fp32_grads"`` accumulates and
+    reduces the gradients in fp32 (Llama 3), doubling their memory and their DP traffic.
     """
     from distlab.pipeline_parallel import bubble_fraction, interleaved_bubble_fraction, peak_in_flight
     from distlab.tensor_parallel import activation_bytes_per_layer_tp
@@ -315,7 +317,8 @@ def estimate(model: ModelShape, cluster: Cluster, layout: Layout, global_batch: 
         return est  # the shapes do not work: nothing to estimate
     seq, mb = model.seq_len // layout.cp, layout.micro_batch
     layers = _layers_per_rank(model, layout)
-    per_param = bytes_per_param(layout.zero, layout.dp * layout.cp)
+    per_param = bytes_per_param(layout.zero, layout.dp * layout.cp, precision)
+    unsharded = bytes_per_param(0, 1, precision)
     params = _params_per_rank(model, layout)
     full_layer = activation_bytes_per_layer_tp(seq, mb, model.d_model, model.n_head, layout.tp,
                                                sequence_parallel=True, flash_attention=True)
@@ -341,7 +344,7 @@ def estimate(model: ModelShape, cluster: Cluster, layout: Layout, global_batch: 
     compute = flops / cluster.gpus / (cluster.peak_flops * matmul_efficiency)
     if layout.checkpointing:
         compute *= 8 / 6  # one more forward (2N of the 6N)
-    est.bytes = bytes_per_axis(model, layout)
+    est.bytes = bytes_per_axis(model, layout, grad_bytes_per_value=int(unsharded.grads))
     seconds = {"compute": compute}
     links = {axis: _link(cluster, layout, axis) for axis in ("tp", "cp", "pp", "dp")}
     calls = _calls_per_axis(model, layout)
@@ -359,8 +362,11 @@ def estimate(model: ModelShape, cluster: Cluster, layout: Layout, global_batch: 
     n = layout.dp * layout.cp
     if layout.zero >= 2:  # gathers and reduce-scatters
         dp_time = on_link("dp", ring_all_gather_bytes(est.bytes["dp"], n), calls["dp"] * (n - 1))
-    else:  # all-reduces (ZeRO-1: a reduce-scatter and an all-gather, the same)
+    else:  # an all-reduce; ZeRO-1's reduce-scatter and all-gather move the same unless the gradients
+        # are wider than the parameters the all-gather returns (fp32 gradients, bf16 parameters)
         latencies, wire = all_reduce_cost("ring", est.bytes["dp"], n)
+        if layout.zero == 1:
+            wire = ring_all_gather_bytes(est.bytes["dp"] + params * unsharded.params, n)
         dp_time = on_link("dp", wire, latencies * calls["dp"])
     hidden = {3: compute, 2: compute * 2 / 3}.get(layout.zero, compute * (2 / 3) / layout.m)
     seconds["dp exposed"] = max(0.0, dp_time - hidden)
@@ -436,12 +442,13 @@ class Plan:
 
 
 def plan(model: ModelShape | str, cluster: Cluster, global_batch: int, matmul_efficiency: float = 0.7,
-         headroom: float = 0.1, **choices) -> Plan:
-    """Estimate every layout of :func:`enumerate_layouts` and rank them by step time."""
+         headroom: float = 0.1, precision: str = "mixed", **choices) -> Plan:
+    """Estimate every layout of :func:`enumerate_layouts` and rank them by step time
+    (``precision`` as in :func:`estimate`)."""
     model = ModelShape.from_preset(model) if isinstance(model, str) else model
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise ValueError(f"global_batch must be a positive number of sequences, got {global_batch!r}")
-    estimates = [estimate(model, cluster, layout, global_batch, matmul_efficiency, headroom)
+    estimates = [estimate(model, cluster, layout, global_batch, matmul_efficiency, headroom, precision)
                  for layout in enumerate_layouts(model, cluster, global_batch, **choices)]
     feasible = sorted((e for e in estimates if e.feasible), key=lambda e: (e.step_time, e.memory["total"]))
     # near-misses: the shapes work, only a resource is short; least over the limit first
