@@ -51,6 +51,19 @@ def _compare_all_reduce(shape, dtype, seed, transpose=False):
             ring.is_contiguous())
 
 
+def _compare_segmented(cases, segment_bytes):
+    """The pipelined ring with small segments (several per chunk, the last ones shorter or empty), call
+    after call with sizes and dtypes that shrink and grow the receive buffers it keeps between calls."""
+    misses = []
+    for seed, (numel, dtype) in enumerate(cases):
+        x = _inputs((numel,), dtype, seed)
+        expected = x.clone()
+        dist.all_reduce(expected)
+        C.ring_all_reduce(x, segment_bytes=segment_bytes)
+        misses.append(C.first_mismatch(expected, x))
+    return misses
+
+
 def _compare_all_gather(shape, dtype, seed):
     x = _inputs(shape, dtype, seed)
     expected = [torch.empty_like(x) for _ in range(dist.get_world_size())]
@@ -108,6 +121,13 @@ def test_ring_all_reduce_and_reduce_scatter_all_gather_equal_builtin(groups, n):
     for returned_self, ring_miss, via_miss, contiguous in ranks.run(
             _compare_all_reduce, args=((5, 6), torch.float32, 99, True), show_output=False):
         assert returned_self and ring_miss is None and via_miss is None
+
+
+@pytest.mark.parametrize("n", [2, 3, 4])
+def test_pipelined_ring_with_many_segments_equals_builtin(groups, n):
+    cases = [(1001, torch.float32), (50, torch.float64), (4099, torch.float64), (7, torch.float32), (3000, torch.float32)]
+    for misses in groups(n).run(_compare_segmented, args=(cases, 64), show_output=False):
+        assert misses == [None] * len(cases), (n, misses)
 
 
 @pytest.mark.parametrize("n", [1, 2, 3, 4])

@@ -47,8 +47,10 @@ __all__ = [
 
 KiB, MiB = 2**10, 2**20
 # The pipelined ring cuts each ring step's chunk into segments of about this size, so that
-# one segment is on the wire while the previous one is being added (chosen by benchmarks/bench_ring.py).
-SEGMENT_BYTES = MiB
+# one segment is on the wire while the previous one is being added. Each segment is one more
+# message, and a message posted from Python costs tens to hundreds of µs on gloo: 1 MiB segments
+# lost to 2 and 4 MiB ones at every size from 4 to 64 MiB on 2 and 4 ranks, timed side by side.
+SEGMENT_BYTES = 4 * MiB
 
 
 # ---------------------------------------------------------------- hello, world
@@ -156,7 +158,7 @@ def ring_all_reduce(tensor: torch.Tensor, group=None, segment_bytes: int | None 
     chunks = split_chunks(work.view(-1), n)
     pieces = max(1, -(-chunks[0].numel() * work.element_size() // segment_bytes)) if segment_bytes else 1
     segments = [split_chunks(chunk, pieces) for chunk in chunks]
-    scratch = [split_chunks(torch.empty_like(chunks[0]), pieces) for _ in range(2)]  # chunk 0 is the largest
+    scratch = [split_chunks(buffer, pieces) for buffer in _scratch(chunks[0], min(2, n - 1))]  # chunk 0 is the largest
     sends: list = []
 
     def isend(segment: torch.Tensor, tag: int) -> None:
@@ -170,10 +172,18 @@ def ring_all_reduce(tensor: torch.Tensor, group=None, segment_bytes: int | None 
         into = (rank - step - 1) % n
         return [irecv(scratch[step % 2][j][: segments[into][j].numel()], step * pieces + j) for j in range(pieces)]
 
+    # Every receive is posted before the first send. gloo moves a message only once the receiver has
+    # announced its buffer; a send posted earlier waits for that and is then pushed out by gloo's I/O
+    # thread, the one also reading the other direction. The all-gather's receives land in their
+    # final places, so they can all be posted now: a chunk is overwritten only after this rank's
+    # contribution to it has been received downstream, reduced and brought round the ring.
+    base = (n - 1) * pieces
+    gathers = [[irecv(segments[(rank - step) % n][j], base + step * pieces + j) for j in range(pieces)]
+               for step in range(n - 1)]
+    pending = post_reduce_recvs(0)
     # reduce-scatter: receive into scratch, add, forward the reduced segment at once
     for j, segment in enumerate(segments[rank]):
         isend(segment, j)
-    pending = post_reduce_recvs(0)
     for step in range(n - 1):
         upcoming = post_reduce_recvs(step + 1) if step + 1 < n - 1 else []
         into = (rank - step - 1) % n
@@ -185,16 +195,12 @@ def ring_all_reduce(tensor: torch.Tensor, group=None, segment_bytes: int | None 
             if step + 1 < n - 1:
                 isend(segments[into][j], (step + 1) * pieces + j)
         pending = upcoming
-    _wait_all(sends)  # the all-gather overwrites chunks these sends may still be reading
-    # all-gather: every receive lands in its final place, so post them all, and forward each on arrival
-    base = (n - 1) * pieces
+    # all-gather: forward each finished segment on arrival
     finished = (rank + 1) % n
     for j, segment in enumerate(segments[finished]):
         isend(segment, base + j)
-    requests = [[irecv(segments[(rank - step) % n][j], base + step * pieces + j) for j in range(pieces)]
-                for step in range(n - 1)]
     for step in range(n - 1):
-        for j, request in enumerate(requests[step]):
+        for j, request in enumerate(gathers[step]):
             if request is None:
                 continue
             request.wait()
@@ -204,6 +210,24 @@ def ring_all_reduce(tensor: torch.Tensor, group=None, segment_bytes: int | None 
     if work is not tensor:
         tensor.copy_(work)
     return tensor
+
+
+_SCRATCH: dict[tuple, torch.Tensor] = {}
+
+
+def _scratch(like: torch.Tensor, count: int) -> list[torch.Tensor]:
+    """``count`` receive buffers shaped like ``like``, kept between calls.
+
+    A fresh buffer costs a page fault per 4 KiB page the first time the network writes into it —
+    at 8 MiB, longer than adding the chunk it receives. Like NCCL's and gloo's own preallocated buffers,
+    the ring keeps one per (device, dtype), grown to the largest chunk it has seen (the calls are
+    synchronous, so one call's buffers are free when the next begins).
+    """
+    key = (like.device, like.dtype)
+    needed = count * like.numel()
+    if key not in _SCRATCH or _SCRATCH[key].numel() < needed:
+        _SCRATCH[key] = torch.empty(needed, dtype=like.dtype, device=like.device)
+    return list(_SCRATCH[key][:needed].view(count, -1)) if needed else [like.new_empty(0)] * count
 
 
 def _wait_all(requests: list) -> None:
