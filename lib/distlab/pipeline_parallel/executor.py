@@ -17,6 +17,7 @@
 
 from __future__ import annotations
 
+from bisect import bisect_right
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Mapping, Sequence
@@ -31,7 +32,7 @@ from distlab.model import GPT, GPTConfig
 from distlab.timeline import span
 
 from distlab.pipeline_parallel.partition import check_partition
-from distlab.pipeline_parallel.schedules import Action
+from distlab.pipeline_parallel.schedules import COMMUNICATION, Action
 
 __all__ = ["StageModule", "build_stages", "lm_loss", "Channels", "channels", "SavedActivations", "StepStats",
            "run_schedule", "sync_tied_gradients", "split_microbatches"]
@@ -199,7 +200,11 @@ def run_schedule(actions: Sequence[Action], stages: Mapping[int, nn.Module], mic
     uses ``x``, the last ``y``). ``F`` of a later stage takes the received activation as a
     leaf that requires grad, so its backward stops there and leaves the gradient to send in
     ``x.grad``. Sends are waited for at the end of the step, receives by the compute that
-    needs them. ``chan``: the point-to-point channels, addressed by pipeline rank (default:
+    needs them. Each receive is posted one compute early: gloo moves a message only into a buffer
+    its receiver has posted, so a receive posted just before the compute that needs it would put
+    the whole transfer on the critical path; posted before the compute ahead of it, the transfer
+    overlaps that compute. Receives stay in schedule order, so each still matches the same send.
+    ``chan``: the point-to-point channels, addressed by pipeline rank (default:
     :func:`channels` of a pipeline over the whole world; a 3D grid passes its own).
     """
     p = p or dist.get_world_size()
@@ -221,15 +226,28 @@ def run_schedule(actions: Sequence[Action], stages: Mapping[int, nn.Module], mic
         work.wait()
         return buffer
 
-    for a in actions:
+    actions = list(actions)
+    compute_at = [i for i, a in enumerate(actions) if a.kind not in COMMUNICATION]
+    posted = 0  # every receive listed before this index has been posted
+
+    def post_receives_before(stop: int) -> None:
+        nonlocal posted
+        for a in actions[posted:stop]:
+            buffer = torch.empty(rows, T, width, device=device, dtype=dtype)
+            if a.kind == "RECV_F":
+                received[("act", a.microbatch, a.stage)] = (chan.recv(buffer, (a.stage - 1) % p), buffer)
+            elif a.kind == "RECV_B":
+                received[("grad", a.microbatch, a.stage)] = (chan.recv(buffer, (a.stage + 1) % p), buffer)
+        posted = max(posted, stop)
+
+    for i, a in enumerate(actions):
         mb, s = a.microbatch, a.stage
         key = (mb, s)
-        if a.kind == "RECV_F":
-            buffer = torch.empty(rows, T, width, device=device, dtype=dtype)
-            received[("act", mb, s)] = (chan.recv(buffer, (s - 1) % p), buffer)
-        elif a.kind == "RECV_B":
-            buffer = torch.empty(rows, T, width, device=device, dtype=dtype)
-            received[("grad", mb, s)] = (chan.recv(buffer, (s + 1) % p), buffer)
+        if a.kind not in COMMUNICATION:  # first the receives the next compute needs
+            following = bisect_right(compute_at, i)
+            post_receives_before(compute_at[following] if following < len(compute_at) else len(actions))
+        if a.kind in ("RECV_F", "RECV_B"):
+            post_receives_before(i + 1)
         elif a.kind == "SEND_F":
             tensor = outputs[key].detach()
             sends.append((chan.send(tensor, (s + 1) % p), tensor))
