@@ -165,6 +165,17 @@ def test_every_schedule_equals_single_process_training_torch_pipelining_and_trai
         assert summaries[0]["sent_bytes_per_step"] == 2 * 2 * 16 * 32 * 4  # m activations of rows x seq x d, fp32
 
 
+def test_receives_are_posted_one_compute_early():
+    """The last stage's receive of each activation is issued before the backward ahead of the forward
+    that needs it, so the transfer overlaps that backward (order of issue, not timing)."""
+    run = distlab.launch(pipeline_worker, 2, kwargs=dict(schedule="1f1b", cfg=CFG, m=4, batch_size=8, steps=1,
+                                                         warmup=0, return_state=False), show_output=False)
+    issued = sorted((s for s in run.spans if s.rank == 1 and (s.label == "irecv" or s.kind == "compute")),
+                    key=lambda s: s.start)
+    assert [s.label for s in issued] == ["irecv", "F0", "irecv", "B0", "F1", "irecv", "B1", "F2", "irecv", "B2",
+                                         "F3", "B3"]
+
+
 def test_four_stages_memory_and_uneven_layers():
     cfg = GPTConfig(**{**CFG.__dict__, "n_layer": 6})  # 6 layers on 4 stages: 2, 2, 1, 1
     with distlab.Ranks(4, collective_timeout=10) as ranks:
