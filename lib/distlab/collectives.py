@@ -168,22 +168,37 @@ def ring_all_reduce(tensor: torch.Tensor, group=None, segment_bytes: int | None 
     def irecv(segment: torch.Tensor, tag: int):
         return dist.irecv(segment, left, group=group, tag=tag) if segment.numel() else None
 
+    # Receives from the left neighbour are posted in the order it sends — the reduce-scatter's steps,
+    # then the all-gather's — since NCCL matches point-to-point messages by order, not by tag.
+    # On gloo they are posted early: the first step's before any send, each later step's one step
+    # ahead, all of the all-gather's right after the last reduce-scatter step's. gloo moves a message
+    # at once only into a buffer its receiver has announced; a send that comes first waits for the
+    # announcement and is then pushed out by gloo's I/O thread, the one also reading the other
+    # direction. (An all-gather receive lands in its final place: that chunk is overwritten only after
+    # this rank's contribution to it has been received downstream, reduced and brought round the ring.)
+    # NCCL runs the sends and receives between two ranks in order on one stream, so with two ranks a
+    # receive posted first would hold up the send queued behind it: there the sends go first.
+    early = dist.get_backend(group) == "gloo"
+    base = (n - 1) * pieces
+    gathers: list = []
+
+    def post_gathers() -> None:
+        gathers.extend([irecv(segments[(rank - step) % n][j], base + step * pieces + j) for j in range(pieces)]
+                       for step in range(n - 1))
+
     def post_reduce_recvs(step: int) -> list:
         into = (rank - step - 1) % n
-        return [irecv(scratch[step % 2][j][: segments[into][j].numel()], step * pieces + j) for j in range(pieces)]
+        posted = [irecv(scratch[step % 2][j][: segments[into][j].numel()], step * pieces + j) for j in range(pieces)]
+        if early and step == n - 2:
+            post_gathers()
+        return posted
 
-    # Every receive is posted before the first send. gloo moves a message only once the receiver has
-    # announced its buffer; a send posted earlier waits for that and is then pushed out by gloo's I/O
-    # thread, the one also reading the other direction. The all-gather's receives land in their
-    # final places, so they can all be posted now: a chunk is overwritten only after this rank's
-    # contribution to it has been received downstream, reduced and brought round the ring.
-    base = (n - 1) * pieces
-    gathers = [[irecv(segments[(rank - step) % n][j], base + step * pieces + j) for j in range(pieces)]
-               for step in range(n - 1)]
-    pending = post_reduce_recvs(0)
     # reduce-scatter: receive into scratch, add, forward the reduced segment at once
+    pending = post_reduce_recvs(0) if early else []
     for j, segment in enumerate(segments[rank]):
         isend(segment, j)
+    if not early:
+        pending = post_reduce_recvs(0)
     for step in range(n - 1):
         upcoming = post_reduce_recvs(step + 1) if step + 1 < n - 1 else []
         into = (rank - step - 1) % n
@@ -199,6 +214,8 @@ def ring_all_reduce(tensor: torch.Tensor, group=None, segment_bytes: int | None 
     finished = (rank + 1) % n
     for j, segment in enumerate(segments[finished]):
         isend(segment, base + j)
+    if not early:
+        post_gathers()
     for step in range(n - 1):
         for j, request in enumerate(gathers[step]):
             if request is None:
