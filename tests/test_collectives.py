@@ -125,7 +125,8 @@ def test_ring_all_reduce_and_reduce_scatter_all_gather_equal_builtin(groups, n):
 
 @pytest.mark.parametrize("n", [2, 3, 4])
 def test_pipelined_ring_with_many_segments_equals_builtin(groups, n):
-    cases = [(1001, torch.float32), (50, torch.float64), (4099, torch.float64), (7, torch.float32), (3000, torch.float32)]
+    cases = [(1001, torch.float32), (50, torch.float64), (4099, torch.float64), (7, torch.float32),
+             (3000, torch.float32)]
     for misses in groups(n).run(_compare_segmented, args=(cases, 64), show_output=False):
         assert misses == [None] * len(cases), (n, misses)
 
