@@ -148,6 +148,8 @@ _clock_origin = 0.0
 _status_hook: Callable[[str | None, int], None] = lambda op, peer=-1: None
 _inflight_hook: Callable[[int], None] = lambda peer: None
 _unfinished: dict[int, "_TrackedWork"] = {}
+_unfinished_sends: dict[int, int] = {}  # index -> peer of the isends among them, oldest first
+_backend_name: str | None = None  # the default group's backend, looked up once per job
 _board = None  # shared fingerprint board: 4 doubles per rank (sequence, op, size, dtype)
 _board_rank = 0
 _board_seq = 0
@@ -159,10 +161,12 @@ def current_log() -> CommLog:
 
 def reset(rank: int, clock_origin: float) -> None:
     """Start a fresh log for a new job; times are seconds since ``clock_origin``."""
-    global _log, _clock_origin
+    global _log, _clock_origin, _backend_name
     _log = CommLog(rank=rank)
     _clock_origin = clock_origin
+    _backend_name = None
     _unfinished.clear()
+    _unfinished_sends.clear()
     _inflight_hook(-1)
 
 
@@ -173,10 +177,6 @@ def set_status_hook(hook: Callable[[str | None, int], None], inflight: Callable[
     _status_hook = hook
     if inflight is not None:
         _inflight_hook = inflight
-
-
-def _publish_inflight() -> None:
-    _inflight_hook(next((work.peer for work in list(_unfinished.values()) if work.op == "isend"), -1))
 
 
 def set_fingerprint_board(board, rank: int) -> None:
@@ -299,7 +299,10 @@ class _TrackedWork:
     def _done(self, *_) -> None:
         _finish_event(self._log, self._index)
         if self._log is _log and _unfinished.pop(self._index, None) is not None and self._op == "isend":
-            _publish_inflight()
+            oldest = next(iter(_unfinished_sends))
+            del _unfinished_sends[self._index]
+            if oldest == self._index:  # the watchdog is told of the oldest isend only
+                _inflight_hook(next(iter(_unfinished_sends.values()), -1))
 
     def __getattr__(self, name):
         return getattr(self._work, name)
@@ -329,7 +332,10 @@ def _on_completion(work, op: str, callback) -> None:
     backtrace, ~100 µs per message, so each (backend, op) is asked once. Without a future the span
     ends at ``wait()``.
     """
-    key = (dist.get_backend() if dist.is_initialized() else "", op)
+    global _backend_name
+    if _backend_name is None and dist.is_initialized():
+        _backend_name = dist.get_backend()
+    key = (_backend_name or "", op)
     if key in _NO_FUTURE:
         return
     try:
@@ -347,18 +353,26 @@ def _finish_event(log: CommLog, index: int) -> None:
 # ---------------------------------------------------------------- the wrapper
 
 def _wrap(op: str, real: Callable) -> Callable:
+    """The counting wrapper of one op.
+
+    It runs on every message, and a pipelined ring or a pipeline schedule sends thousands of
+    small ones, so the point-to-point path asks torch for nothing it does not need (no group
+    size, the backend once per job): each Python call here is time on the sender's critical path.
+    """
+    p2p = op in P2P_OPS
+    nonblocking = op in ("isend", "irecv")
+
     @functools.wraps(real)
     def counted(*args, **kwargs):
         if _recorder.depth:  # an op built from other ops (all_gather_object…) counts once
             return real(*args, **kwargs)
         group = _argument(op, args, kwargs, "group")
-        world = dist.get_world_size(group) if dist.is_initialized() else 1
+        world = 1 if p2p else dist.get_world_size(group) if dist.is_initialized() else 1
         size = _message_bytes(op, args, kwargs, world)
         stats = _log.ops[op]
         stats.calls += 1
         stats.payload_bytes += size
         stats.wire_bytes += WIRE_BYTES[op](size, world)
-        p2p = op in P2P_OPS
         peer = _peer(op, args, kwargs, group) if p2p else -1
         if not p2p and dist.is_initialized():
             _log.ledger.collectives[_group_key(group)] += 1
@@ -374,7 +388,7 @@ def _wrap(op: str, real: Callable) -> Callable:
         index = len(_log.events)
         _log.events.append((op, size, start, float("nan")))
         _recorder.depth += 1
-        blocking = not _argument(op, args, kwargs, "async_op", False) and op not in ("isend", "irecv")
+        blocking = not nonblocking and not _argument(op, args, kwargs, "async_op", False)
         if blocking:
             _status_hook(op, peer)
         try:
@@ -396,7 +410,9 @@ def _wrap(op: str, real: Callable) -> Callable:
         tracked = _TrackedWork(work, op, index, peer)
         _unfinished[index] = tracked
         if op == "isend":
-            _publish_inflight()
+            _unfinished_sends[index] = peer
+            if len(_unfinished_sends) == 1:
+                _inflight_hook(peer)
         _on_completion(work, op, tracked._done)
         return tracked
 
