@@ -49,7 +49,7 @@ def parse(argv=None):
     p.add_argument("--n-layer", type=int, default=8)
     p.add_argument("--d-model", type=int, default=256)
     p.add_argument("--rows", type=int, default=2, help="sequences (of 64 tokens) per micro-batch")
-    p.add_argument("--steps", type=int, default=10, help="measured steps per point (after one warm-up step)")
+    p.add_argument("--steps", type=int, default=15, help="measured steps per point (after one warm-up step)")
     p.add_argument("--ratio-steps", type=int, default=12, help="steps of each 1F1B implementation for the ratio")
     p.add_argument("--ratio-m", type=int, default=8)
     p.add_argument("--quick", action="store_true", help="a smoke run: fewer points and steps, not a measurement")
