@@ -108,9 +108,9 @@ def main(argv=None) -> int:
     started = time.perf_counter()
     # One compute thread per rank, as gloo reduces on one: the ring adds each received chunk with torch,
     # and with cores // N intra-op threads per rank every add wakes a team of OpenMP workers that then
-    # spin on the cores gloo's I/O threads need. Timed side by side on 16 cores (4 ranks), 4 threads per
-    # rank cut the ring to 0.55x gloo's bus bandwidth at 4 MiB and up; with 1 it ran at 0.82-0.88x, and
-    # gloo's own times hardly moved. (--threads to see it.)
+    # spin on the cores gloo's I/O threads need. Timed on 16 cores (4 ranks, runs alternated on one
+    # machine), the plain ring reached 0.64x gloo's bus bandwidth at 4 MiB and up with 4 threads per
+    # rank and 0.87-0.90x with one, while gloo's own times hardly moved. (--threads to see it.)
     with distlab.Ranks(n, backend="gloo", collective_timeout=60, threads=args.threads) as ranks:
         numel = MiB // 4 + 3  # not divisible by N
         checks = ranks.run(_verify, args=(impls, numel), show_output=False)

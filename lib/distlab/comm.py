@@ -149,6 +149,7 @@ _status_hook: Callable[[str | None, int], None] = lambda op, peer=-1: None
 _inflight_hook: Callable[[int], None] = lambda peer: None
 _unfinished: dict[int, "_TrackedWork"] = {}
 _unfinished_sends: dict[int, int] = {}  # index -> peer of the isends among them, oldest first
+_sends_lock = threading.Lock()  # a work's completion callback may run on the backend's thread
 _backend_name: str | None = None  # the default group's backend, looked up once per job
 _board = None  # shared fingerprint board: 4 doubles per rank (sequence, op, size, dtype)
 _board_rank = 0
@@ -166,7 +167,8 @@ def reset(rank: int, clock_origin: float) -> None:
     _clock_origin = clock_origin
     _backend_name = None
     _unfinished.clear()
-    _unfinished_sends.clear()
+    with _sends_lock:
+        _unfinished_sends.clear()
     _inflight_hook(-1)
 
 
@@ -299,10 +301,12 @@ class _TrackedWork:
     def _done(self, *_) -> None:
         _finish_event(self._log, self._index)
         if self._log is _log and _unfinished.pop(self._index, None) is not None and self._op == "isend":
-            oldest = next(iter(_unfinished_sends))
-            del _unfinished_sends[self._index]
-            if oldest == self._index:  # the watchdog is told of the oldest isend only
-                _inflight_hook(next(iter(_unfinished_sends.values()), -1))
+            with _sends_lock:
+                was_oldest = next(iter(_unfinished_sends), None) == self._index
+                _unfinished_sends.pop(self._index, None)
+                oldest_peer = next(iter(_unfinished_sends.values()), -1)
+            if was_oldest:  # the watchdog is told of the oldest isend only
+                _inflight_hook(oldest_peer)
 
     def __getattr__(self, name):
         return getattr(self._work, name)
@@ -410,8 +414,10 @@ def _wrap(op: str, real: Callable) -> Callable:
         tracked = _TrackedWork(work, op, index, peer)
         _unfinished[index] = tracked
         if op == "isend":
-            _unfinished_sends[index] = peer
-            if len(_unfinished_sends) == 1:
+            with _sends_lock:
+                _unfinished_sends[index] = peer
+                oldest = len(_unfinished_sends) == 1
+            if oldest:
                 _inflight_hook(peer)
         _on_completion(work, op, tracked._done)
         return tracked
