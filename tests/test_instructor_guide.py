@@ -34,7 +34,7 @@ def test_the_guide_has_commands_for_checking_installing_and_grading():
 
 @pytest.fixture
 def scratch_class(tmp_path):
-    for name in ("Makefile", "pyproject.toml", "lib", ".venv"):
+    for name in ("Makefile", "pyproject.toml", "requirements.lock", "lib", ".venv"):
         (tmp_path / name).symlink_to(REPO / name)
     for student, source in (("alice", REPO / "solutions"), ("bob", REPO / "labs")):
         (tmp_path / "submissions" / student).mkdir(parents=True)

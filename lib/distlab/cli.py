@@ -71,6 +71,30 @@ def _grade(args) -> int:
     return 0 if report["ok"] else 1
 
 
+def _lock_drift(args) -> int:
+    """Print every locked package whose installed version differs: what the next `make lock` would change."""
+    import re
+    from importlib import metadata
+
+    pin = re.compile(r"^([A-Za-z0-9_.\-]+)==([^\s;]+)")
+    drift = []
+    for line in Path(args.lock).read_text(encoding="utf-8").splitlines():
+        match = pin.match(line)
+        if not match:
+            continue
+        name, locked = match.groups()
+        try:
+            installed = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            continue  # locked for another platform or Python (its marker does not apply here)
+        if installed != locked:
+            drift.append(f"  {name}: locked {locked}, newest allowed {installed}")
+    print(f"{len(drift)} package(s) differ from {args.lock}" + (":" if drift else ""))
+    if drift:
+        print("\n".join(drift))
+    return 0
+
+
 def _fraction(text: str) -> float:
     value = float(text)
     if not 0.0 <= value <= 1.0:
@@ -109,6 +133,10 @@ def parser() -> argparse.ArgumentParser:
     grade.add_argument("--cold", action="store_true",
                        help="start every kernel from scratch instead of forking warm ones")
     grade.set_defaults(run=_grade)
+
+    drift = sub.add_parser("lock-drift", help="list installed packages whose versions differ from the lock")
+    drift.add_argument("lock", nargs="?", default="requirements.lock")
+    drift.set_defaults(run=_lock_drift)
 
     for name in DELEGATED:
         sub.add_parser(name, add_help=False, help=f"see `distlab {name} --help`")

@@ -47,8 +47,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Callable
 
-import cloudpickle
-
+from distlab import payload
 from distlab import rank as rank_module
 from distlab import reaper
 from distlab.comm import CommLog
@@ -276,7 +275,7 @@ def _forkserver_context():
             # torch.fx's symbolic_shapes (sympy) and torch._dynamo are imported lazily by the first meta-device
             # model build and the first dispatch mode; importing them here once saves every new rank ~1.5 s of CPU.
             _context.set_forkserver_preload(["torch", "torch.distributed", "torch.fx.experimental.symbolic_shapes",
-                                             "torch._dynamo", "cloudpickle", "distlab.rank", "distlab.reaper"])
+                                             "torch._dynamo", "cloudpickle", "distlab.payload", "distlab.rank", "distlab.reaper"])
     return _context
 
 
@@ -368,7 +367,7 @@ class _RankGroup:
     def run(self, fn: Callable, args: tuple, kwargs: dict, timeout: float | None) -> Run:
         __tracebackhide__ = True  # IPython: show the rank's traceback, not the launcher's frames
         try:
-            payload = cloudpickle.dumps((fn, tuple(args), dict(kwargs)))
+            job_payload = payload.dumps((fn, tuple(args), dict(kwargs)))
         except Exception as error:
             raise TypeError(f"the job cannot be sent to the ranks: {type(error).__name__}: {error} "
                             "(fn, args and kwargs must be picklable)") from None
@@ -376,7 +375,7 @@ class _RankGroup:
         self.dump_offsets = {}
         self._clear_output()
         start = time.perf_counter()
-        job = (self.job_id, payload, start, os.getcwd(), list(sys.path))
+        job = (self.job_id, job_payload, start, os.getcwd(), list(sys.path))
         for conn in self.conns:
             try:
                 conn.send(job)
@@ -422,7 +421,7 @@ class _RankGroup:
                     continue  # joined the process group, or a report of an earlier job
                 if kind == "ok":
                     try:
-                        values[r] = cloudpickle.loads(message[2])
+                        values[r] = payload.loads(message[2])
                     except Exception as error:
                         unpicklable[r] = f"{type(error).__name__}: {_first_line(str(error))}"
                 else:

@@ -26,11 +26,10 @@ import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
 
-import cloudpickle
 import torch
 import torch.distributed as dist
 
-from distlab import comm, timeline
+from distlab import comm, payload, timeline
 
 # Process-wide default seed torch uses in a fresh interpreter; every job starts from it,
 # so a job in a warm rank draws the same random numbers as in a cold one.
@@ -107,7 +106,7 @@ def main(spec: RankSpec, conn, status, board) -> None:
         pass
 
 
-def _run_job(rank: int, baseline: "ProcessState", job_id: int, payload: bytes, clock_origin: float, cwd: str,
+def _run_job(rank: int, baseline: "ProcessState", job_id: int, job_payload: bytes, clock_origin: float, cwd: str,
              sys_path: list[str]):
     baseline.restore()
     os.chdir(cwd)
@@ -116,11 +115,11 @@ def _run_job(rank: int, baseline: "ProcessState", job_id: int, payload: bytes, c
     comm.reset(rank, clock_origin)
     timeline.reset(clock_origin)
     try:
-        fn, args, kwargs = cloudpickle.loads(payload)
+        fn, args, kwargs = payload.loads(job_payload)
         value = fn(*args, **kwargs)
         _drain_async_ops()
         try:
-            result = cloudpickle.dumps(value)
+            result = payload.dumps(value)
         except Exception as error:
             raise TypeError(f"the return value ({type(value).__name__}) cannot be sent back: {error}") from None
         outcome = ("ok", job_id, result)
