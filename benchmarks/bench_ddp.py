@@ -20,22 +20,19 @@ Exit status 1 when the target is missed.
 
 from __future__ import annotations
 
-import os
 import argparse
+import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
+import torch
 
-import torch  # noqa: E402
-
-import distlab  # noqa: E402
-from distlab import results  # noqa: E402
-from distlab.data_parallel import exposed_sync_times, train_worker  # noqa: E402
-from distlab.flops import format_flops, measure_matmul_peak, mfu  # noqa: E402
-from distlab.model import GPTConfig, flops_per_token  # noqa: E402
+import distlab
+from distlab import results
+from distlab.data_parallel import exposed_sync_times, train_worker
+from distlab.flops import format_flops, measure_matmul_peak, mfu
+from distlab.model import GPTConfig, flops_per_token
 
 TARGET = 1.10
 VARIANTS = ["naive", "bucketed", "overlapped", "torch"]
@@ -121,7 +118,8 @@ def main(argv=None) -> int:
     out.append(f"matmul peak of this machine: {peak}; model {format_flops(fpt)} per token")
     ratio = med["overlapped"] / med["torch"]
     out.append(f"speedups: naive → bucketed {med['naive'] / med['bucketed']:.2f}×, bucketed → overlapped "
-               f"{med['bucketed'] / med['overlapped']:.2f}×, naive → overlapped {med['naive'] / med['overlapped']:.2f}×; "
+               f"{med['bucketed'] / med['overlapped']:.2f}×, "
+               f"naive → overlapped {med['naive'] / med['overlapped']:.2f}×; "
                f"exposed communication after backward: bucketed {med_exposed['bucketed'] * 1e3:.1f} ms, "
                f"overlapped {med_exposed['overlapped'] * 1e3:.1f} ms")
     met = ratio <= TARGET

@@ -34,9 +34,8 @@ import time
 import torch
 
 from distlab import results
-from distlab.fp8.training import (RECIPES, compute_device, final_loss, half_precision, matmul_throughput,
-                                  train_recipe)
 from distlab.flops import PEAK_FLOPS, format_flops
+from distlab.fp8.training import RECIPES, compute_device, final_loss, half_precision, matmul_throughput, train_recipe
 from distlab.model import GPTConfig
 
 LOSS_TARGET = 0.05  # nats between a recipe's final loss and bf16's

@@ -18,9 +18,9 @@ notebook got the result its kind should get. Results: ``benchmarks/results/gradi
 
 from __future__ import annotations
 
-import os
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
@@ -28,14 +28,13 @@ import tempfile
 import time
 from pathlib import Path
 
+import nbformat
+
+from distlab import results
+from distlab.grading.classroom import grade_notebooks
+from distlab.notebooks import make_lab
+
 REPO = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(REPO / "lib"))
-
-import nbformat  # noqa: E402
-
-from distlab import results  # noqa: E402
-from distlab.notebooks import grade_notebooks, make_lab  # noqa: E402
-
 LAB = "00_setup.ipynb"
 MIX = {"correct": 12, "blank": 8, "wrong": 6, "deadlocked": 2, "looping": 2}  # 30 notebooks
 TIMEOUT = 120  # seconds per notebook: a looping notebook costs this much, alone
@@ -63,7 +62,8 @@ def build_class(folder: Path, mix: dict) -> dict[str, str]:
         "blank": lambda i: make_lab(solution),
         "wrong": lambda i: wrongs[i % len(wrongs)],
         "deadlocked": lambda i: _edit(solution, "    dist.all_reduce(total)\n    return rank, world_size,",
-                                      "    if rank != 0:\n        dist.all_reduce(total)\n    return rank, world_size,"),
+                                      "    if rank != 0:\n        dist.all_reduce(total)\n"
+                                      "    return rank, world_size,"),
         "looping": lambda i: _edit(solution, 'result = distlab.check("0.2", mean_across_ranks)',
                                    'while True:  # the student\'s endless loop\n    pass\n'
                                    'result = distlab.check("0.2", mean_across_ranks)'),
@@ -111,7 +111,8 @@ def main(argv=None) -> int:
             where[mode] = {"wall_s": time.perf_counter() - started, "notebook_s": grade.seconds,
                            "startup_s": grade.startup, "slowest_cells": grade.slowest_cells}
             out.append(f"blank lab 00 alone, {mode}: {grade.seconds:.1f} s in the notebook (kernel start "
-                       f"{grade.startup:.1f} s; slowest cells {', '.join(f'{c}: {s:.1f} s' for c, s in grade.slowest_cells)})"
+                       f"{grade.startup:.1f} s; "
+                       f"slowest cells {', '.join(f'{c}: {s:.1f} s' for c, s in grade.slowest_cells)})"
                        f"; {where[mode]['wall_s']:.1f} s with the grader's own start")
             print(out[-1], flush=True)
         kinds = build_class(tmp / "class", mix)

@@ -35,8 +35,13 @@ import torch
 import distlab
 from distlab import results
 from distlab.model import GPTConfig
-from distlab.pipeline_parallel import (bubble_fraction, interleaved_bubble_fraction, pipeline_worker, steps_bubble,
-                                       torch_pipelining_worker)
+from distlab.pipeline_parallel import (
+    bubble_fraction,
+    interleaved_bubble_fraction,
+    pipeline_worker,
+    steps_bubble,
+    torch_pipelining_worker,
+)
 
 TOLERANCE = 0.05
 RATIO_TARGET = 1.2
@@ -120,7 +125,8 @@ def main(argv=None) -> int:
         f"micro-batch; gloo ranks, one thread each, {n_cores} CPU cores; torch {torch.__version__}",
         f"bubble = idle share of the busiest rank (the slowest stage) between the pipeline's first and last "
         f"compute; mean idle = all ranks, waiting for the slowest stage included; medians of {args.steps} steps",
-        f"{'schedule':<12}{'p':>3}{'m':>4}{'v':>3}{'theory':>9}{'bubble':>9}{'diff':>8}{'mean idle':>11}{'step ms':>10}",
+        f"{'schedule':<12}{'p':>3}{'m':>4}{'v':>3}{'theory':>9}{'bubble':>9}{'diff':>8}{'mean idle':>11}"
+        f"{'step ms':>10}",
     ]
     for g in grid:
         lines.append(f"{g['schedule']:<12}{g['p']:>3}{g['m']:>4}{g['v']:>3}{g['theory']:>9.3f}{g['measured']:>9.3f}"

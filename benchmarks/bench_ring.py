@@ -29,23 +29,21 @@ not faithful: the ranks take turns on the cores).
 
 from __future__ import annotations
 
-import os
 import argparse
 import functools
 import math
+import os
 import statistics
 import sys
 import time
-from pathlib import Path
 
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "lib"))
+import torch
+import torch.distributed as dist
 
-import torch  # noqa: E402
-import torch.distributed as dist  # noqa: E402
-
-import distlab  # noqa: E402
-from distlab import collectives as coll  # noqa: E402
-from distlab import results  # noqa: E402
+import distlab
+from distlab import collectives as coll
+from distlab import results
+from distlab.runtime import comm
 
 KiB, MiB = coll.KiB, coll.MiB
 TARGET = 0.8  # pipelined ring bus bandwidth / gloo's, at the large sizes
@@ -60,8 +58,6 @@ def implementations(segment_bytes: int) -> dict:
 
 def _verify(impls: dict, numel: int):
     """On each rank: each implementation's result against dist.all_reduce, and the bytes it sent."""
-    from distlab import comm
-
     gen = torch.Generator().manual_seed(dist.get_rank())
     x = torch.randn(numel, generator=gen)
     expected = x.clone()
@@ -70,9 +66,9 @@ def _verify(impls: dict, numel: int):
     for name, fn in impls.items():
         if name == "gloo":
             continue
-        before = comm.current_log().total(ops=("send", "isend"))
+        before = comm.snapshot()
         got = fn(x.clone())
-        out[name] = (coll.first_mismatch(expected, got), comm.current_log().total(ops=("send", "isend")) - before)
+        out[name] = (coll.first_mismatch(expected, got), comm.since(before).total(ops=("send", "isend")))
     return out
 
 
@@ -120,7 +116,8 @@ def main(argv=None) -> int:
             for r, per_rank in enumerate(checks):
                 miss, sent = per_rank[name]
                 slack = 2 * 4 if name != "tree" else 0
-                if miss is not None or (sent > model[name] + slack if name == "tree" else abs(sent - model[name]) > slack):
+                if miss is not None or (sent > model[name] + slack if name == "tree"
+                                        else abs(sent - model[name]) > slack):
                     print(f"{name} all-reduce is wrong on rank {r}: mismatch {miss}, sent {sent:.0f} bytes "
                           f"(model {model[name]:.0f})")
                     return 1
@@ -147,11 +144,13 @@ def main(argv=None) -> int:
                                       algorithm=["ring" if r["name"] == "plain" else "tree" for r in joint])
     predicted = coll.crossover_bytes(n, alpha, beta)
     measured = {large: coll.measured_crossover(rows, "tree", large) for large in ("plain", "ring")}
-    out.append(f"alpha-beta fit, gloo (ring model): alpha = {gloo_alpha * 1e6:.0f} us, beta = {gloo_beta / 1e9:.3f} GB/s")
+    out.append(f"alpha-beta fit, gloo (ring model): alpha = {gloo_alpha * 1e6:.0f} us, "
+               f"beta = {gloo_beta / 1e9:.3f} GB/s")
     out.append(f"alpha-beta fit, plain ring + tree together: alpha = {alpha * 1e6:.0f} us, "
                f"beta = {beta / 1e9:.3f} GB/s")
     out.append(f"tree/ring crossover: the model predicts {_size(predicted)}; measured "
-               f"{_size(measured['plain'])} against the plain ring, {_size(measured['ring'])} against the pipelined one")
+               f"{_size(measured['plain'])} against the plain ring, "
+               f"{_size(measured['ring'])} against the pipelined one")
     ratios = {name: {s: coll.median_time(rows, name, s) / coll.median_time(rows, "gloo", s) for s in sizes}
               for name in ("ring", "plain", "tree")}
     out.append("time / gloo's by size: " + "; ".join(
@@ -162,7 +161,8 @@ def main(argv=None) -> int:
     faithful = cpus >= n
     met = busbw_ratio >= TARGET
     out.append(f"pipelined ring bus bandwidth / gloo's at {coll.human_bytes(large[0])} and up: {busbw_ratio:.2f} "
-               f"(plain ring {plain_ratio:.2f}; median over all sizes {statistics.median(1 / r for r in ratios['ring'].values()):.2f}); "
+               f"(plain ring {plain_ratio:.2f}; "
+               f"median over all sizes {statistics.median(1 / r for r in ratios['ring'].values()):.2f}); "
                f"target >= {TARGET}: {'met' if met else 'MISSED'}")
     if not faithful:
         out.append(f"note: {n} ranks on {cpus} cores take turns on the CPU, so latencies include waiting for a "

@@ -28,6 +28,7 @@ from contextlib import contextmanager
 from pathlib import Path
 
 import psutil
+
 from processes import alive
 
 CHROMIUM_NAMES = ("chromium", "chromium-browser")  # matched to chromedriver by the distribution

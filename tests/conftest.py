@@ -6,6 +6,7 @@ from pathlib import Path
 
 import pytest
 import torch
+
 from processes import rank_processes
 
 REPO = Path(__file__).resolve().parents[1]

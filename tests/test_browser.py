@@ -18,6 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
+
 from browser import Chromium, JupyterLab, NotebookPage, find_chromium
 
 pytest.importorskip("selenium", reason="browser test skipped: selenium is not installed (pip install -e '.[test]')")

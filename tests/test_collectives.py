@@ -1,5 +1,5 @@
 """The reference ring algorithms equal torch.distributed's built-ins on real gloo ranks, and send what the
-cost model says they send (measured by distlab.comm, exact for point-to-point ops)."""
+cost model says they send (measured by distlab.runtime.comm, exact for point-to-point ops)."""
 
 import os
 import subprocess
@@ -208,6 +208,56 @@ def test_first_mismatch():
     assert C.first_mismatch(a, b) == (3, 3.0, 7.0)
 
 
+# ---------------------------------------------------------------- measuring a window, reusing groups
+
+def _measured_window():
+    from distlab.runtime import comm
+
+    n, x = dist.get_world_size(), torch.ones(6)
+    dist.all_reduce(x)  # before the window
+    before = comm.snapshot()
+    out = torch.empty(6 * n)
+    dist.all_gather_into_tensor(out, x)
+    dist.all_gather(list(out.chunk(n)), x)
+    middle = comm.snapshot()
+    dist.all_reduce(x)
+    return comm.since(before, middle), comm.since(middle)
+
+
+def test_since_counts_each_collective_under_one_name_whichever_function_issued_it(groups):
+    from distlab.runtime.comm import OpCounts
+
+    window, after = groups(2).run(_measured_window)[0]
+    assert dict(window.ops) == {"all_gather": OpCounts(2, 2 * 48, 2 * 24.0)}  # M: the 48-byte output, half sent
+    assert [event[0] for event in window.events] == ["all_gather_into_tensor", "all_gather"]
+    assert window.total("payload_bytes", "all_gather_single") == 2 * 48 == window.total("payload_bytes")
+    assert dict(after.ops) == {"all_reduce": OpCounts(1, 24, 24.0)}
+
+
+def _cached_group():
+    from distlab.runtime.subgroups import subgroup
+
+    pair = subgroup([1, 0])
+    return (id(pair), subgroup([0, 1]) is pair, subgroup([0, 1], purpose="checkpoint") is pair,
+            dist.get_process_group_ranks(pair))
+
+
+def test_a_group_is_made_once_per_default_group_and_reused_by_later_jobs(groups, tmp_path):
+    from distlab.runtime.subgroups import subgroup
+
+    first, second = groups(2).run(_cached_group), groups(2).run(_cached_group)
+    assert first[0][1:] == (True, False, [0, 1]) and [r[0] for r in first] == [r[0] for r in second]
+    made = []
+    for attempt in range(2):  # a new default group: the old one's groups are never handed out
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / str(attempt)}", rank=0, world_size=1)
+        try:
+            made.append(subgroup([0]))
+            assert subgroup([0]) is made[-1]
+        finally:
+            dist.destroy_process_group()
+    assert made[0] is not made[1]
+
+
 # ---------------------------------------------------------------- hello_world: launch and torchrun
 
 def test_hello_world_under_launch(groups, capsys):
@@ -242,7 +292,8 @@ def test_hello_world_under_torchrun_environment(tmp_path):
 def _lab02_paths_on_this_rank():
     dev = distlab.device()
     x = torch.arange(1000.0, device=dev)
-    ring, tree, via = C.ring_all_reduce(x.clone()), C.tree_all_reduce(x.clone()), C.all_reduce_via_reduce_scatter(x.clone())
+    ring, tree = C.ring_all_reduce(x.clone()), C.tree_all_reduce(x.clone())
+    via = C.all_reduce_via_reduce_scatter(x.clone())
     times = C.time_all_reduce(C.builtin_all_reduce, 1 << 20, reps=2)
     return str(dev), dist.get_backend(), all(torch.equal(t, x) for t in (ring, tree, via)), len(times)
 

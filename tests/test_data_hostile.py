@@ -46,7 +46,8 @@ def test_a_record_with_a_charset_python_cannot_use_costs_nothing_else(tmp_path):
     path = tmp_path / "charsets.warc.gz"
     with open(path, "wb") as handle:
         writer = WARCWriter(handle, gzip=True)
-        for number, charset in enumerate(["utf-8", "punycode", "utf-8", "x-no-such-charset", "utf-8", "base64", "utf-8"]):
+        charsets = ["utf-8", "punycode", "utf-8", "x-no-such-charset", "utf-8", "base64", "utf-8"]
+        for number, charset in enumerate(charsets):
             html_response(writer, f"https://example.com/{number}", page(number), charset)
     docs, ledger, reader = read_all(path)
     assert ledger.documents_in == 7 and len(docs) == 7  # was: UnicodeError ended the file after 2

@@ -18,8 +18,8 @@ from distlab.data.lineage import PurgeError, purge, read_jsonl, write_jsonl
 from distlab.data.mix import ImportanceResampler, hashed_ngram_counts, mix_sources
 from distlab.data.output import MANIFEST_FILE, NotARunDirectory, RunDirectory
 from distlab.data.pipeline import PipelineConfig, run_pipeline, shard_paths
-from distlab.data.report import RunReport
 from distlab.data.read import parse_wet
+from distlab.data.report import RunReport
 from distlab.data.samples import COOKIE_BANNER, generate_sample, prose
 from distlab.data.shards import EOT, ShardWriter, encode_document, gpt2_encoding, read_index, read_shard
 
@@ -296,7 +296,6 @@ def _write_source(directory: Path, name: str, texts: list[str]) -> None:
 
 
 def test_mix_hits_target_weights(tmp_path):
-    sources = {}
     for name, n_docs, words in (("web", 60, 300), ("code", 6, 200), ("books", 3, 400)):
         _write_source(tmp_path / name, name, [" ".join([f"{name}{i}"] * words) for i in range(n_docs)])
     weights = {"web": 0.7, "code": 0.2, "books": 0.1}
@@ -328,14 +327,17 @@ def test_dsir_weights_match_a_direct_count_and_select_like_the_target(tmp_path):
     resampler = ImportanceResampler(target, raw, buckets=1000)
     # the reference: the DSIR log ratio summed feature by feature
     doc = raw[-1]
-    features = Counter([int(t) % 1000 for t in doc] + [(int(a) * 1_000_003 + int(b)) % 1000 for a, b in zip(doc, doc[1:])])
+    unigrams = [int(t) % 1000 for t in doc]
+    bigrams = [(int(a) * 1_000_003 + int(b)) % 1000 for a, b in zip(doc, doc[1:])]
+    features = Counter(unigrams + bigrams)
     direct = sum(count * resampler.log_ratio[feature] for feature, count in features.items())
     assert resampler.log_weights([doc])[0] == pytest.approx(128 * direct / sum(features.values()))
     assert hashed_ngram_counts(doc, 1000).sum() == 2 * len(doc) - 1
 
     budget = 1500
     uniform = mix_sources({"pool": (tmp_path / "pool", 1.0)}, budget, tmp_path / "uniform", seed=0)
-    dsir = mix_sources({"pool": (tmp_path / "pool", 1.0)}, budget, tmp_path / "dsir", seed=0, target=tmp_path / "target")
+    dsir = mix_sources({"pool": (tmp_path / "pool", 1.0)}, budget, tmp_path / "dsir", seed=0,
+                       target=tmp_path / "target")
     assert dsir[0].selection == "dsir" and uniform[0].selection == "uniform"
 
     def code_fraction(directory):
@@ -350,8 +352,8 @@ def test_dsir_weights_match_a_direct_count_and_select_like_the_target(tmp_path):
 def test_cli_run_stats_purge_end_to_end(sample, tmp_path):
     env = {**os.environ, "PYTHONPATH": str(REPO / "lib")}
     out = tmp_path / "out"
-    done = subprocess.run([sys.executable, "-m", "distlab.data.cli", "run", *map(str, sample.files[:2]), "--out", str(out),
-                           "--no-progress", "--shard-tokens", "5000", "--toxicity", "blocklist"],
+    done = subprocess.run([sys.executable, "-m", "distlab.data.cli", "run", *map(str, sample.files[:2]),
+                           "--out", str(out), "--no-progress", "--shard-tokens", "5000", "--toxicity", "blocklist"],
                           capture_output=True, text=True, env=env, timeout=300)
     assert done.returncode == 0, done.stderr
     assert "documents in" in done.stdout and "line_dedup" in done.stdout

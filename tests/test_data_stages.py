@@ -14,10 +14,16 @@ from distlab.data.line_dedup import LineDedup, remove_repeated_lines
 from distlab.data.pii import looks_like_card, luhn_valid, scrub_pii
 from distlab.data.quality import gopher_quality_failure, passes_quality
 from distlab.data.read import WarcReader, parse_wet
-from distlab.data.repetition import (duplicate_ngram_char_fraction, gopher_repetition_failure,
-                                     top_ngram_char_fraction)
-from distlab.data.samples import (SampleRecord, card_number, dedup_scores, foreign, near_duplicate_set, prose,
-                                  write_records)
+from distlab.data.repetition import duplicate_ngram_char_fraction, gopher_repetition_failure, top_ngram_char_fraction
+from distlab.data.samples import (
+    SampleRecord,
+    card_number,
+    dedup_scores,
+    foreign,
+    near_duplicate_set,
+    prose,
+    write_records,
+)
 from distlab.data.shards import EOT, encode_document, gpt2_encoding, read_shard, tokenize_to_bin
 from distlab.data.toxicity import DEFAULT_THRESHOLD, BlocklistScorer, ClassifierScorer, ToxicityFilter, evaluate
 from distlab.data.urls import UrlDedup, normalize_url
@@ -139,7 +145,8 @@ def test_repetition_measures_match_hand_computation():
 
 @pytest.mark.parametrize("text,rule", [
     ("\n".join(["Buy now and save."] * 5 + [f"line {i} is new" for i in range(5)]), "dup_line_frac"),
-    ("\n\n".join(["A repeated paragraph of the page."] * 2 + ["\n".join(GOOD.replace("\n\n", " ").split(". "))]), "dup_para_frac"),
+    ("\n\n".join(["A repeated paragraph of the page."] * 2 + ["\n".join(GOOD.replace("\n\n", " ").split(". "))]),
+     "dup_para_frac"),
     (" ".join(f"cheap watches {w}" for w in prose(random.Random(3), 60).split()), "top_2gram_char_frac"),
 ])
 def test_repetition_rules_fire_with_their_names(text, rule):

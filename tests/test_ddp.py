@@ -9,19 +9,31 @@ import torch
 import torch.distributed as dist
 
 import distlab
-from distlab.data_parallel import (Bucket, EdgeCaseGPT, NaiveDDP, OverlappedDDP, allreduce_buckets,
-                                   allreduce_gradients, assign_buckets, broadcast_parameters, build_model,
-                                   gradient_bytes, reference_run, train, train_step, train_worker)
+from distlab.data_parallel import (
+    Bucket,
+    EdgeCaseGPT,
+    NaiveDDP,
+    OverlappedDDP,
+    allreduce_buckets,
+    allreduce_gradients,
+    assign_buckets,
+    broadcast_parameters,
+    gradient_bytes,
+    reference_run,
+    train,
+    train_step,
+    train_worker,
+)
 from distlab.flops import measure_matmul_peak, mfu, model_flops_per_token, tokens_per_second
-from distlab.grading import CheckFailed
-from distlab.grading import lab03
+from distlab.grading import CheckFailed, lab03
 from distlab.model import GPT, GPTConfig, flops_per_token
 from distlab.reference import max_abs_diff, train_reference
 
 pytestmark = [pytest.mark.timeout(120)]
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32)
-FAST = dict(collective_timeout=lab03.COLLECTIVE_TIMEOUT)  # the checkers' setting: tests and checkers share the warm groups
+# the checkers' setting: tests and checkers share the warm groups
+FAST = dict(collective_timeout=lab03.COLLECTIVE_TIMEOUT)
 STEPS, BATCH = 3, 8  # 8 rows: 2 per rank on 4 ranks, 4 per rank on 2
 
 

@@ -12,18 +12,46 @@ import torch
 import torch.distributed as dist
 
 import distlab
-from distlab.fault_tolerance import (CheckpointError, Fault, LLAMA3, MetricsLog, ShuffledOrder, SpikeGuard,
-                                     TrainState, async_save_checkpoint, corrupt_file, daly_interval,
-                                     diagnose_nonfinite, find_divergent_replicas, fingerprint, flip_bit,
-                                     grad_norm_outliers, guarded_train, hang_in_recv, hang_suspects, job_mtbf_hours,
-                                     latest_checkpoint, load_checkpoint, local_grad_norm, make_training,
-                                     partial_checkpoints, plan_cadence, read_checkpoint, resumable_train,
-                                     run_with_restarts, save_checkpoint, train_step_ddp, verify_checkpoint,
-                                     waste_fraction, young_interval)
+from distlab.fault_tolerance import (
+    LLAMA3,
+    CheckpointError,
+    Fault,
+    MetricsLog,
+    ShuffledOrder,
+    SpikeGuard,
+    TrainState,
+    async_save_checkpoint,
+    corrupt_file,
+    daly_interval,
+    diagnose_nonfinite,
+    find_divergent_replicas,
+    fingerprint,
+    flip_bit,
+    grad_norm_outliers,
+    guarded_train,
+    hang_in_recv,
+    hang_suspects,
+    job_mtbf_hours,
+    latest_checkpoint,
+    load_checkpoint,
+    local_grad_norm,
+    make_training,
+    partial_checkpoints,
+    plan_cadence,
+    read_checkpoint,
+    resumable_train,
+    run_with_restarts,
+    save_checkpoint,
+    train_step_ddp,
+    verify_checkpoint,
+    waste_fraction,
+    young_interval,
+)
 from distlab.fault_tolerance.reshard import fsdp_job
 from distlab.fault_tolerance.stall import stall_summary, timed_training
-from distlab.launcher import CollectiveTimeout, RankCrashed
 from distlab.model import GPT, GPTConfig, synthetic_batch
+from distlab.runtime.launch import CollectiveTimeout, RankCrashed
+
 from processes import shared_ranks_end_here
 
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layer=1, n_head=2, d_model=16)

@@ -14,7 +14,8 @@ import torch
 import torch.distributed as dist
 
 import distlab
-from distlab.comm import WIRE_BYTES
+from distlab.runtime.comm import WIRE_BYTES
+
 from processes import alive
 
 pytestmark = [pytest.mark.timeout(480), pytest.mark.usefixtures("no_leftover_ranks")]  # hang guards, not speed limits
@@ -128,7 +129,7 @@ def test_a_rank_that_dies_hard_ends_the_launch(how, expected, tmp_path):
         distlab.launch(work, 4, args=(how, str(tmp_path / "t")), **PATIENT)
     assert _seconds_since(tmp_path / "t") < 30
     assert info.value.rank == 1
-    assert f"rank 1 exited without finishing its job" in str(info.value) and expected in str(info.value)
+    assert "rank 1 exited without finishing its job" in str(info.value) and expected in str(info.value)
 
 
 def test_a_mismatched_collective_times_out_and_says_who_waited_where(tmp_path):
@@ -317,7 +318,7 @@ def test_a_failing_nccl_rank_ends_the_launch():
 def test_auto_backend_with_fewer_gpus_than_ranks_runs_gloo_and_says_so_once(monkeypatch, capsys):
     import torch
 
-    from distlab import launcher
+    from distlab.runtime import launch as launcher
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
     monkeypatch.setattr(launcher, "_SAID_CPU_FALLBACK", set())

@@ -20,7 +20,9 @@ import torch
 import torch.distributed as dist
 
 import distlab
-from distlab import launcher
+from distlab.runtime import diagnose
+from distlab.runtime import group as rank_group
+
 from processes import alive
 
 pytestmark = [pytest.mark.timeout(480), pytest.mark.usefixtures("no_leftover_ranks")]  # hang guards, not speed limits
@@ -85,7 +87,7 @@ def test_a_slow_peer_is_waited_for_not_blamed():
 
 
 def test_a_peer_that_never_stops_computing_is_reported_as_such(monkeypatch):
-    monkeypatch.setattr(launcher, "SLOW_RANK_PATIENCE", 3.0)
+    monkeypatch.setattr(rank_group, "SLOW_RANK_PATIENCE", 3.0)
 
     def endless_rank_one():
         if dist.get_rank() == 1:
@@ -135,9 +137,11 @@ def test_a_gloo_abort_shows_gloos_line_and_the_users_call_not_a_fault_dump(capfd
 
 def test_abort_details_are_read_from_a_fault_dump():
     user = Path(__file__).resolve()
+    gloo = ("[enforce fail at pair.cc:456] op.preamble.length <= op.nbytes. 8 vs 4. "
+            "Received data size doesn't match expected size.")
     stderr = textwrap.dedent(f"""\
         terminate called after throwing an instance of 'gloo::EnforceNotMet'
-          what():  [enforce fail at pair.cc:456] op.preamble.length <= op.nbytes. 8 vs 4. Received data size doesn't match expected size.
+          what():  {gloo}
         Fatal Python error: Aborted
 
         Thread 0x00007f (most recent call first):
@@ -145,16 +149,16 @@ def test_abort_details_are_read_from_a_fault_dump():
 
         Thread 0x00008f (most recent call first):
           File "{os.path.dirname(torch.__file__)}/distributed/distributed_c10d.py", line 3252 in all_reduce
-          File "{os.path.dirname(launcher.__file__)}/comm.py", line 175 in counted
+          File "{os.path.dirname(diagnose.__file__)}/comm.py", line 175 in counted
           File "{user}", line 1 in my_job
-          File "{os.path.dirname(launcher.__file__)}/rank.py", line 99 in _run_job
+          File "{os.path.dirname(diagnose.__file__)}/rank.py", line 99 in _run_job
 
         Extension modules: numpy, torch._C (total: 2)
         """)
-    cause, frame = launcher._abort_details(stderr)
+    cause, frame = diagnose.abort_details(stderr)
     assert cause.startswith("[enforce fail at pair.cc:456]") and "Received data size" in cause
     assert frame.startswith(f'File "{user}", line 1, in my_job')
-    assert launcher._without_fault_dump(stderr).splitlines() == stderr.splitlines()[:2]
+    assert diagnose.without_fault_dump(stderr).splitlines() == stderr.splitlines()[:2]
 
 
 def test_a_return_value_that_cannot_be_rebuilt_names_the_rank_and_keeps_warm_ranks():
@@ -175,19 +179,19 @@ def test_a_return_value_that_cannot_be_rebuilt_names_the_rank_and_keeps_warm_ran
 
 def test_classification_of_rank_reports():
     base = {"exc_type": "RuntimeError", "frames": [], "hidden_frames": 0, "peer": -1}
-    assert launcher._classify(dict(base, in_op=None, message="bad shard")) == "raised"
-    assert launcher._classify(dict(base, in_op="recv", message="pair.cc:553] Connection closed by peer")) == "peer_gone"
-    assert launcher._classify(dict(base, in_op="recv", message="Timed out waiting 2000ms for recv")) == "timeout"
-    assert launcher._classify(dict(base, in_op="all_reduce", message="Received data size mismatch")) == "op_error"
+    assert diagnose.classify(dict(base, in_op=None, message="bad shard")) == "raised"
+    assert diagnose.classify(dict(base, in_op="recv", message="pair.cc:553] Connection closed by peer")) == "peer_gone"
+    assert diagnose.classify(dict(base, in_op="recv", message="Timed out waiting 2000ms for recv")) == "timeout"
+    assert diagnose.classify(dict(base, in_op="all_reduce", message="Received data size mismatch")) == "op_error"
 
 
 def test_unmatched_communication_is_found_in_the_ledgers():
     balanced = [{"collectives": {"world": 2}, "sent": {1: 16}, "received": {1: 8}},
                 {"collectives": {"world": 2}, "sent": {0: 8}, "received": {0: 16}}]
-    assert launcher._unmatched_communication(balanced) == []
+    assert diagnose.unmatched_communication(balanced) == []
     unbalanced = [{"collectives": {"world": 3, "0,1": 1}, "sent": {1: 16}, "received": {}},
                   {"collectives": {"world": 2}, "sent": {}, "received": {}}]
-    assert launcher._unmatched_communication(unbalanced) == [
+    assert diagnose.unmatched_communication(unbalanced) == [
         "collective calls on the group of ranks 0,1 differ (rank 0: 1, rank 1: 0)",
         "collective calls on the default group differ (rank 0: 3, rank 1: 2)",
         "rank 0 sent 16 bytes to rank 1 that it never received"]
@@ -210,7 +214,8 @@ def test_an_async_op_left_unmatched_fails_its_own_job_not_the_next():
         with pytest.raises(distlab.CollectiveTimeout) as info:
             ranks.run(unmatched_async)
         text = str(info.value)
-        assert info.value.kind == "missing" and text.startswith("rank 0 timed out after 4 s waiting in wait(all_reduce)")
+        assert info.value.kind == "missing"
+        assert text.startswith("rank 0 timed out after 4 s waiting in wait(all_reduce)")
         assert "rank 0 was blocked at the end of its job, which returned with this async op in flight" in text
         assert list(ranks.run(rank_sum)) == [100.0, 100.0]
 
@@ -450,7 +455,8 @@ def test_failed_launches_release_their_fds_and_threads():
     (dict(collective_timeout=0), "collective_timeout must be a positive number of seconds, got 0"),
     (dict(collective_timeout=True), "collective_timeout must be a positive number"),
     (dict(threads=0), "threads must be None or a positive integer"),
-    (dict(args=5), r"args must be a tuple of positional arguments, got int 5 \(for one argument write args=\(value,\)\)"),
+    (dict(args=5),
+     r"args must be a tuple of positional arguments, got int 5 \(for one argument write args=\(value,\)\)"),
     (dict(kwargs=[1]), "kwargs must be a dict"),
 ])
 def test_nonsense_arguments_are_refused_before_any_process_starts(kwargs, message):

@@ -4,10 +4,18 @@ import pytest
 import torch
 import torch.nn as nn
 
-from distlab.memory import (GiB, PRESETS, ActivationMeter, activation_bytes_per_layer, bytes_per_param,
-                            memory_report, model_memory, model_state_bytes, tensor_bytes)
+from distlab.memory import (
+    PRESETS,
+    ActivationMeter,
+    GiB,
+    activation_bytes_per_layer,
+    bytes_per_param,
+    memory_report,
+    model_memory,
+    model_state_bytes,
+    tensor_bytes,
+)
 from distlab.model import GPT, GPTConfig, synthetic_batch
-
 
 pytestmark = pytest.mark.usefixtures("one_thread")
 

@@ -4,14 +4,22 @@ import time
 
 import pytest
 import torch
-from processes import rank_processes
 
 import distlab
 from distlab.grading import CheckFailed, lab11
-from distlab.mesh import (AXES, Grid, check_3d_setup, compare_with_reference, group_ranks_worker,
-                          measured_bytes_per_axis, parallel3d_worker)
 from distlab.model import GPTConfig
-from distlab.planner import Layout, ModelShape, bytes_per_axis
+from distlab.parallel3d.grid import (
+    AXES,
+    Grid,
+    check_3d_setup,
+    compare_with_reference,
+    group_ranks_worker,
+    measured_bytes_per_axis,
+    parallel3d_worker,
+)
+from distlab.parallel3d.planner import Layout, ModelShape, bytes_per_axis
+
+from processes import rank_processes
 
 pytestmark = [pytest.mark.timeout(180)]
 
@@ -113,7 +121,7 @@ def _stub(*args):
 
 
 def test_checkers_pass_the_reference_and_name_the_usual_mistakes(ranks8):
-    from distlab.mesh import average_gradients
+    from distlab.parallel3d.grid import average_gradients
 
     assert "6 grids" in lab11.check_grid_groups(_grid_groups)
     with pytest.raises(CheckFailed, match=r"rank 0's pp group is \[0, 1\], expected \[0, 2\] \(PP ranks are tp apart"):
@@ -127,7 +135,7 @@ def test_checkers_pass_the_reference_and_name_the_usual_mistakes(ranks8):
     assert "3 runs" in lab11.check_mfu(_mfu)
     with pytest.raises(CheckFailed, match="attention FLOPs .* are missing"):
         lab11.check_mfu(lambda n, L, d, s, tps, gpus, peak: 6 * n * tps / (gpus * peak))
-    from distlab.planner import bytes_per_axis as planner_bytes
+    from distlab.parallel3d.planner import bytes_per_axis as planner_bytes
 
     def predicted(cfg, dp, pp, tp, m, micro_batch):
         return planner_bytes(ModelShape.from_config(cfg), Layout(dp=dp, tp=tp, pp=pp, zero=0, m=m,

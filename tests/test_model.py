@@ -49,7 +49,8 @@ def test_tied_weights_counted_once():
     assert untied.num_params() - tied.num_params() == 64 * 32
     assert tied.num_params() == count_params(SMALL) == sum(p.numel() for p in tied.parameters())
     assert untied.num_params() == count_params(untied_cfg)
-    assert tied.num_params(include_embeddings=False) == untied.num_params(include_embeddings=False) == count_params(SMALL, False)
+    assert (tied.num_params(include_embeddings=False) == untied.num_params(include_embeddings=False)
+            == count_params(SMALL, False))
     nobias = GPTConfig(vocab_size=64, seq_len=16, n_layer=3, n_head=2, d_model=32, bias=False, mlp_ratio=2)
     assert GPT(nobias).num_params() == count_params(nobias)
 

@@ -9,13 +9,14 @@ import math
 import pytest
 import torch
 import torch.distributed as dist
-from processes import shared_ranks_end_here
 
 import distlab
 from distlab import moe as M
 from distlab.grading import CheckFailed, lab08
 from distlab.model import GPTConfig
 from distlab.reference import max_abs_diff
+
+from processes import shared_ranks_end_here
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_thread")]
 

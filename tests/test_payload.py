@@ -1,7 +1,7 @@
 """A rank's error reports name the student's file and line under every cloudpickle, old and new.
 
 cloudpickle 3.1.3 rewrites the file name of every code object it pickles by value to "<dynamic-code>".
-distlab.payload keeps it. These tests run the real report paths (a rank that raises, a deadlock, a
+distlab.runtime.payload keeps it. These tests run the real report paths (a rank that raises, a deadlock, a
 collective mismatch, a gloo abort) in a fresh interpreter under each cloudpickle a student may have:
 the locked one, and 3.1.2 (the last release before the rewrite), which `make install` puts beside it.
 """
@@ -17,7 +17,7 @@ from pathlib import Path
 import cloudpickle
 import pytest
 
-from distlab import payload
+from distlab.runtime import payload
 
 pytestmark = [pytest.mark.timeout(300), pytest.mark.usefixtures("no_leftover_ranks")]
 

@@ -12,15 +12,34 @@ import torch
 
 import distlab
 from distlab.grading import check, lab06
-from distlab.launcher import RankCrashed, RankFailed
 from distlab.model import GPTConfig
-from distlab.pipeline_parallel import (Action, ScheduleError, balanced_partition, bubble_fraction, check_setup,
-                                       compute_order, even_partition, gpipe, interleaved_1f1b,
-                                       interleaved_bubble_fraction, make_schedule, measured_bubble, one_f_one_b,
-                                       pipeline_worker, reference_states, run_schedule, simulate, stage_costs,
-                                       torch_pipelining_worker, train, validate, with_p2p,
-                                       zero_bubble_h1)
-from distlab.timeline import Span
+from distlab.pipeline_parallel import (
+    Action,
+    ScheduleError,
+    balanced_partition,
+    bubble_fraction,
+    check_setup,
+    compute_order,
+    even_partition,
+    gpipe,
+    interleaved_1f1b,
+    interleaved_bubble_fraction,
+    make_schedule,
+    measured_bubble,
+    one_f_one_b,
+    pipeline_worker,
+    reference_states,
+    run_schedule,
+    simulate,
+    stage_costs,
+    torch_pipelining_worker,
+    train,
+    validate,
+    with_p2p,
+    zero_bubble_h1,
+)
+from distlab.runtime.launch import RankCrashed, RankFailed
+from distlab.runtime.timeline import Span
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("no_leftover_ranks")]
 

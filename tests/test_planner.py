@@ -4,9 +4,19 @@ import pytest
 
 from distlab.memory import PRESETS
 from distlab.model import GPTConfig, flops_per_token
+from distlab.parallel3d.planner import (
+    Cluster,
+    Layout,
+    ModelShape,
+    bytes_per_axis,
+    estimate,
+    gradient_all_reduce_seconds,
+    h100_cluster,
+    plan,
+    plot_plan,
+    run_cost,
+)
 from distlab.pipeline_parallel import make_schedule, peak_in_flight, simulate
-from distlab.planner import (Cluster, Layout, ModelShape, bytes_per_axis, estimate, gradient_all_reduce_seconds,
-                             h100_cluster, plan, plot_plan, run_cost)
 
 
 @pytest.mark.parametrize("p,m,v", [(4, 16, 1), (4, 2, 1), (8, 8, 1), (4, 8, 2), (4, 4, 4), (8, 16, 2)])

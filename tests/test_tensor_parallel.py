@@ -7,21 +7,33 @@ import time
 import pytest
 import torch
 import torch.distributed as dist
-from processes import rank_processes
 
 import distlab
 from distlab import memory
-from distlab.grading import CheckFailed
-from distlab.grading import lab05
+from distlab.grading import CheckFailed, lab05
 from distlab.model import GPT, GPTConfig, synthetic_batch
 from distlab.reference import train_reference
-from distlab.tensor_parallel import (ColumnParallelLinear, RowParallelLinear, TensorParallelAttention,
-                                     TensorParallelMLP, VocabParallelEmbedding, check_tp_sizes, copy_to_tp,
-                                     gather_sequence, is_replicated, qkv_rows, reduce_from_tp, reduce_scatter_sequence,
-                                     shard_state, vocab_parallel_cross_entropy)
-from distlab.tensor_parallel import theory
+from distlab.tensor_parallel import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    TensorParallelAttention,
+    TensorParallelMLP,
+    VocabParallelEmbedding,
+    check_tp_sizes,
+    copy_to_tp,
+    gather_sequence,
+    is_replicated,
+    qkv_rows,
+    reduce_from_tp,
+    reduce_scatter_sequence,
+    shard_state,
+    theory,
+    vocab_parallel_cross_entropy,
+)
 from distlab.tensor_parallel.communication import all_gather_linear
 from distlab.tensor_parallel.workers import choose_precision, dtensor_step, tp_step, train, train_worker
+
+from processes import rank_processes
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_thread")]
 

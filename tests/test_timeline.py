@@ -8,7 +8,7 @@ import pytest
 import torch.distributed as dist
 
 import distlab
-from distlab.timeline import Span, idle_fraction, plot
+from distlab.runtime.timeline import Span, idle_fraction, plot
 
 
 def test_idle_fraction_counts_gaps_and_merges_overlaps():

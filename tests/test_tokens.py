@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 import torch
 
-from distlab.tokens import TokenShardLoader, write_token_bin
+from distlab.data.tokens import TokenShardLoader, write_token_bin
 
 
 @pytest.fixture

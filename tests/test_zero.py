@@ -9,7 +9,6 @@ import pytest
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-from processes import rank_processes
 
 import distlab
 from distlab.data_parallel import reference_run
@@ -17,9 +16,23 @@ from distlab.grading import CheckFailed, lab04
 from distlab.memory import bytes_per_param
 from distlab.model import GPT, Block, GPTConfig
 from distlab.reference import max_abs_diff
-from distlab.zero import (FlatLayout, alloc_storage, assign_params, checkpoint_module, free_storage,
-                          mixed_precision_step, plan_units, reduce_scatter_grads, reshard, train, train_worker,
-                          unshard, validate)
+from distlab.zero import (
+    FlatLayout,
+    alloc_storage,
+    assign_params,
+    checkpoint_module,
+    free_storage,
+    mixed_precision_step,
+    plan_units,
+    reduce_scatter_grads,
+    reshard,
+    train,
+    train_worker,
+    unshard,
+    validate,
+)
+
+from processes import rank_processes
 
 pytestmark = [pytest.mark.timeout(180)]
 

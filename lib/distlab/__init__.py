@@ -1,14 +1,78 @@
-"""distlab: learn distributed LLM training by running real torch.distributed ranks from notebook cells."""
+"""distlab: learn distributed LLM training by running real torch.distributed ranks from notebook cells.
+
+Where things live (CONTRIBUTING.md has the table): ``runtime/`` starts and watches the ranks and imports
+nothing else of distlab; the shared course code (``model``, ``reference``, ``memory``, ``flops``, ``claims``,
+``results``) sits above it; then one module or package per topic; ``grading/`` and the tooling
+(``notebooks``, ``cli``, ``doctor``, ``torchrun``) on top.
+"""
+
+import importlib
+import importlib.abc
+import importlib.util
+import sys
 
 from distlab.claims import ClaimFailed, claim
 from distlab.grading import check, needs
-from distlab.launcher import (CollectiveTimeout, LaunchError, LaunchInterrupted, LaunchTimeout, RankCrashed,
-                              RankFailed, Ranks, ReturnValueError, Run, UnmatchedCommunication, launch, shutdown)
-from distlab.rank import device
-from distlab.timeline import span
+from distlab.runtime.launch import (
+    CollectiveTimeout,
+    LaunchError,
+    LaunchInterrupted,
+    LaunchTimeout,
+    RankCrashed,
+    RankFailed,
+    Ranks,
+    ReturnValueError,
+    Run,
+    UnmatchedCommunication,
+    launch,
+    shutdown,
+)
+from distlab.runtime.rank import device
+from distlab.runtime.timeline import span
 
 __all__ = [
     "check", "needs", "claim", "ClaimFailed", "launch", "Ranks", "Run", "shutdown", "device", "span",
     "LaunchError", "RankFailed", "RankCrashed", "CollectiveTimeout", "LaunchTimeout", "LaunchInterrupted",
     "UnmatchedCommunication", "ReturnValueError",
 ]
+
+# Modules that moved when the package was laid out as runtime / topics / grading. Notebooks, scripts and
+# `python -m distlab.torchrun distlab.mesh:train` commands written against the old paths keep working: the
+# old name is the same module object (its state included), imported only when someone asks for it.
+MOVED_MODULES = {
+    "distlab.launcher": "distlab.runtime.launch",
+    "distlab.rank": "distlab.runtime.rank",
+    "distlab.comm": "distlab.runtime.comm",
+    "distlab.timeline": "distlab.runtime.timeline",
+    "distlab.reaper": "distlab.runtime.reaper",
+    "distlab.mesh": "distlab.parallel3d.grid",
+    "distlab.planner": "distlab.parallel3d.planner",
+    "distlab.tokens": "distlab.data.tokens",
+}
+
+
+class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
+    """Resolves an old module path (:data:`MOVED_MODULES`) to the module at its new one."""
+
+    def find_spec(self, fullname, path=None, target=None):
+        if fullname in MOVED_MODULES:
+            return importlib.util.spec_from_loader(fullname, self)
+        return None
+
+    def create_module(self, spec):
+        module = importlib.import_module(MOVED_MODULES[spec.name])
+        spec.loader_state = module.__spec__  # importlib is about to stamp the old name's spec on it
+        return module
+
+    def exec_module(self, module):
+        module.__spec__ = module.__spec__.loader_state  # already executed under its new name: keep its own spec
+
+
+sys.meta_path.append(_MovedModuleFinder())
+
+
+def __getattr__(name: str):
+    """``distlab.timeline.plot(...)`` after a bare ``import distlab``, as before the move."""
+    if f"distlab.{name}" in MOVED_MODULES:
+        return importlib.import_module(f"distlab.{name}")
+    raise AttributeError(f"module 'distlab' has no attribute {name!r}")

@@ -5,11 +5,16 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import re
 import sys
 import time
+from importlib import metadata
 from pathlib import Path
 
-from distlab.notebooks import DEFAULT_THRESHOLD, DEFAULT_TIMEOUT
+import nbformat
+
+from distlab.grading.classroom import DEFAULT_THRESHOLD, DEFAULT_TIMEOUT, class_report, format_report, grade_notebooks
+from distlab.notebooks import build_labs, execute
 
 # Subcommands that own their argument parsing: name -> "module:function(argv) -> int".
 DELEGATED = {"data": "distlab.data.cli:main", "doctor": "distlab.doctor:main"}
@@ -21,8 +26,6 @@ def _delegate(target: str, argv: list[str]) -> int:
 
 
 def _labs(args) -> int:
-    from distlab.notebooks import build_labs
-
     stale = build_labs(Path(args.solutions), Path(args.labs), check_only=args.check)
     if args.check and stale:
         names = ", ".join(str(p) for p in stale)
@@ -34,10 +37,6 @@ def _labs(args) -> int:
 
 
 def _execute(args) -> int:
-    import nbformat
-
-    from distlab.notebooks import execute
-
     for path in args.paths:
         print(f"executing {path} …", flush=True)
         nbformat.write(execute(Path(path), cell_timeout=args.timeout), path)
@@ -45,8 +44,6 @@ def _execute(args) -> int:
 
 
 def _grade(args) -> int:
-    from distlab.notebooks import class_report, format_report, grade_notebooks
-
     missing = [p for p in args.paths if not Path(p).is_file()]
     if missing:
         print(f"distlab grade: no such notebook: {', '.join(missing)}", file=sys.stderr)
@@ -55,8 +52,8 @@ def _grade(args) -> int:
 
     def progress(done: int, total: int, grade) -> None:
         note = f", {grade.error}" if grade.error else ""
-        print(f"[{done}/{total}] {grade.student}: {grade.points}/{grade.max_points} points, {grade.seconds:.0f} s{note}",
-              file=sys.stderr, flush=True)
+        print(f"[{done}/{total}] {grade.student}: {grade.points}/{grade.max_points} points, "
+              f"{grade.seconds:.0f} s{note}", file=sys.stderr, flush=True)
 
     jobs = args.jobs or None
     print(f"grading {len(args.paths)} notebook(s), {jobs or 'auto'} at a time, at most {args.timeout:g} s each …",
@@ -73,9 +70,6 @@ def _grade(args) -> int:
 
 def _lock_drift(args) -> int:
     """Print every locked package whose installed version differs: what the next `make lock` would change."""
-    import re
-    from importlib import metadata
-
     pin = re.compile(r"^([A-Za-z0-9_.\-]+)==([^\s;]+)")
     drift = []
     for line in Path(args.lock).read_text(encoding="utf-8").splitlines():

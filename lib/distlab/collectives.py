@@ -33,8 +33,12 @@ import time
 import warnings
 from typing import Callable, Sequence
 
+import numpy as np
 import torch
 import torch.distributed as dist
+
+from distlab.runtime.launch import Ranks
+from distlab.runtime.rank import device
 
 __all__ = [
     "hello_world", "chunk_sizes", "split_chunks", "ring_all_reduce", "ring_all_gather", "tree_all_reduce",
@@ -63,8 +67,6 @@ def hello_world() -> float:
     if no process group exists yet it joins one from torchrun's environment
     variables (NCCL when this process has a GPU, gloo otherwise) and leaves it afterwards.
     """
-    from distlab.rank import device
-
     owns_group = not dist.is_initialized()
     if owns_group:
         use_nccl = torch.cuda.is_available() and dist.is_nccl_available()
@@ -408,8 +410,6 @@ def fit_alpha_beta(message_bytes: Sequence[float], seconds: Sequence[float], wor
     each point is weighted by 1/t, so a 4 KiB message (latency-bound) counts as much
     as a 16 MiB one (bandwidth-bound).
     """
-    import numpy as np
-
     if world_size < 2:
         raise ValueError("an all-reduce on one rank sends nothing; fit on world_size >= 2")
     m = np.asarray(message_bytes, dtype=float)
@@ -479,8 +479,6 @@ def time_all_reduce(fn: Callable, numel: int, reps: int = 5, warmup: int = 1,
     A barrier before each rep starts all ranks together; the parent takes, per
     rep, the slowest rank (the collective is done when the last rank is).
     """
-    from distlab.rank import device
-
     x = torch.ones(numel, dtype=dtype, device=device())
     times = []
     for i in range(warmup + reps):
@@ -504,8 +502,6 @@ def bandwidth_sweep(impls: dict[str, Callable], sizes: Sequence[int], ranks=None
     closed. Returns one row per (impl, size): name, bytes, world_size,
     times (slowest rank per rep), median_s and busbw (bytes/s from the median).
     """
-    from distlab.launcher import Ranks
-
     own = ranks is None
     ranks = ranks if ranks is not None else Ranks(world_size)
     element = torch.tensor([], dtype=dtype).element_size()

@@ -38,10 +38,13 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
+from torch.nn.parallel import DistributedDataParallel
 
 from distlab.model import GPT, GPTConfig, synthetic_batch
 from distlab.reference import make_optimizer
-from distlab.timeline import span
+from distlab.runtime import comm
+from distlab.runtime.rank import device
+from distlab.runtime.timeline import span
 
 __all__ = [
     "DEFAULT_BUCKET_CAP_BYTES", "broadcast_parameters", "allreduce_gradients", "gradient_params", "gradient_bytes",
@@ -370,8 +373,6 @@ class TorchDDP:
 
     def __init__(self, module: nn.Module, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, **ddp_options):
         _require_process_group()
-        from torch.nn.parallel import DistributedDataParallel
-
         self.module = module
         self.ddp = DistributedDataParallel(module, bucket_cap_mb=bucket_cap_bytes / 2**20, **ddp_options)
         self.grad_params = gradient_params(module)
@@ -489,8 +490,6 @@ def _state(module: nn.Module) -> dict[str, torch.Tensor]:
 
 
 def _device() -> torch.device:
-    from distlab.rank import device
-
     return device()
 
 
@@ -599,16 +598,13 @@ def train(steps: int = 20, variant: str = "overlapped", batch_size: int = 8, acc
     batch is ``batch_size · accum · world_size``. Returns this rank's summary: first and
     last loss, median step time, tokens/s over all ranks and all-reduce bytes per step.
     """
-    from distlab import comm
-
     _require_process_group()
     steps, accum, warmup = int(steps), int(accum), int(warmup)
     cfg = GPTConfig(vocab_size=int(vocab_size), seq_len=int(seq_len), n_layer=int(n_layer), n_head=int(n_head),
                     d_model=int(d_model))
     world = dist.get_world_size()
     global_size = int(batch_size) * accum * world
-    before = comm.current_log().ops.get("all_reduce")
-    payload_before = before.payload_bytes if before else 0
+    before = comm.snapshot()
     result = train_worker(variant, cfg, steps=steps, batch_size=global_size, accum=accum, seed=int(seed),
                           optimizer=optimizer, lr=float(lr), bucket_cap_bytes=int(float(bucket_mb) * 2**20),
                           warmup=warmup, return_state=False)
@@ -616,8 +612,7 @@ def train(steps: int = 20, variant: str = "overlapped", batch_size: int = 8, acc
         for i, loss in enumerate(result["losses"]):
             if i % int(log_every) == 0 or i == len(result["losses"]) - 1:
                 print(f"step {i:4d}  loss {loss:.4f}", flush=True)
-    after = comm.current_log().ops.get("all_reduce")
-    payload = (after.payload_bytes if after else 0) - payload_before
+    payload = comm.since(before).total("payload_bytes", "all_reduce")
     step_time = statistics.median(result["step_times"]) if result["step_times"] else float("nan")
     return {
         "rank": result["rank"], "variant": variant, "world_size": world, "loss_first": round(result["losses"][0], 4),

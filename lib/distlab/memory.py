@@ -146,7 +146,8 @@ class MemoryReport:
         return asdict(self)
 
     def __str__(self) -> str:
-        rows = [(name, getattr(self, name)) for name in ("parameters", "gradients", "optimizer", "activations", "total")]
+        names = ("parameters", "gradients", "optimizer", "activations", "total")
+        rows = [(name, getattr(self, name)) for name in names]
         if self.cuda_allocated is not None:
             rows += [("cuda allocated", self.cuda_allocated), ("cuda max allocated", self.cuda_max_allocated)]
         return "\n".join(f"{name:>20}: {value / MiB:10.3f} MiB" for name, value in rows)
@@ -269,7 +270,8 @@ def model_memory(n_params: int, world_size: int, zero_stage: int, precision: str
     per = bytes_per_param(zero_stage, world_size, precision)
     act = 0
     if n_layer and seq_len and micro_batch and d_model:
-        act = n_layer * activation_bytes_per_layer(seq_len, micro_batch, d_model, n_head, checkpointing, bytes_per_value)
+        act = n_layer * activation_bytes_per_layer(seq_len, micro_batch, d_model, n_head, checkpointing,
+                                                   bytes_per_value)
     return ModelMemory(n_params * per.params, n_params * per.grads, n_params * per.optimizer, act)
 
 
@@ -303,7 +305,10 @@ class Preset:
 
 PRESETS: dict[str, Preset] = {
     # Llama 2 7B (6,738,415,616 params) and 70B (68,976,648,192), Llama 3.1 405B (405,853,388,800).
-    "7B": Preset("7B", n_layer=32, d_model=4096, n_head=32, n_kv_head=32, ffn_dim=11008, vocab_size=32000, seq_len=4096),
-    "70B": Preset("70B", n_layer=80, d_model=8192, n_head=64, n_kv_head=8, ffn_dim=28672, vocab_size=32000, seq_len=4096),
-    "405B": Preset("405B", n_layer=126, d_model=16384, n_head=128, n_kv_head=8, ffn_dim=53248, vocab_size=128256, seq_len=8192),
+    "7B": Preset("7B", n_layer=32, d_model=4096, n_head=32, n_kv_head=32, ffn_dim=11008, vocab_size=32000,
+                 seq_len=4096),
+    "70B": Preset("70B", n_layer=80, d_model=8192, n_head=64, n_kv_head=8, ffn_dim=28672, vocab_size=32000,
+                  seq_len=4096),
+    "405B": Preset("405B", n_layer=126, d_model=16384, n_head=128, n_kv_head=8, ffn_dim=53248, vocab_size=128256,
+                   seq_len=8192),
 }

@@ -23,6 +23,12 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.utils.checkpoint import checkpoint
 
+from distlab.runtime.group import preload
+
+# The GPT is built on the meta device (to count its bytes before any rank allocates them), whose first use
+# imports torch._dynamo: about a second of CPU per rank. The forkserver imports it once instead.
+preload("torch._dynamo")
+
 __all__ = ["GPTConfig", "GPT", "Block", "CausalSelfAttention", "MLP", "count_params",
            "flops_per_token", "training_flops_per_token", "synthetic_batch"]
 

@@ -15,6 +15,8 @@ import os
 import platform
 from pathlib import Path
 
+import torch
+
 __all__ = ["RESULTS_DIR", "machine", "save", "load", "describe"]
 
 RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
@@ -22,8 +24,6 @@ RESULTS_DIR = Path(__file__).resolve().parents[2] / "benchmarks" / "results"
 
 def machine() -> dict:
     """What the figures were measured on: enough to tell a laptop from a GPU node."""
-    import torch
-
     info = {
         "cpus": len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else os.cpu_count(),
         "processor": platform.processor() or platform.machine(),

@@ -23,7 +23,7 @@ from datetime import timedelta
 import torch
 import torch.distributed as dist
 
-from distlab import comm
+from distlab.runtime import comm
 
 
 def _value(text: str):

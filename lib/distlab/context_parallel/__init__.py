@@ -28,18 +28,41 @@ can be measured; tensors are ``[batch, heads, tokens, head_dim]`` as in
 ``F.scaled_dot_product_attention``, and a layout's positions say which tokens a shard holds.
 """
 
-from distlab.context_parallel.blocks import (LAYOUTS, SEQ_DIM, TILE, Work, attention_block, attention_block_backward,
-                                             blockwise_attention, layout_positions, measure_work, merge_attention,
-                                             online_softmax_attention, shard, unshard)
+from distlab.context_parallel.blocks import (
+    LAYOUTS,
+    SEQ_DIM,
+    TILE,
+    Work,
+    attention_block,
+    attention_block_backward,
+    blockwise_attention,
+    layout_positions,
+    measure_work,
+    merge_attention,
+    online_softmax_attention,
+    shard,
+    unshard,
+)
 from distlab.context_parallel.cost import LINK_BANDWIDTH, hidden_transfer_tokens, ring_bytes, ulysses_bytes
 from distlab.context_parallel.measure import PeakMemory, verify
-from distlab.context_parallel.ring import (RingAttention, ring_attention, ring_attention_backward,
-                                           ring_attention_forward, ring_pass)
-from distlab.context_parallel.ulysses import (heads_to_seq, seq_to_heads, ulysses_attention, usp_attention, usp_groups,
-                                              usp_positions)
+from distlab.context_parallel.ring import (
+    RingAttention,
+    ring_attention,
+    ring_attention_backward,
+    ring_attention_forward,
+    ring_pass,
+)
+from distlab.context_parallel.ulysses import (
+    heads_to_seq,
+    seq_to_heads,
+    ulysses_attention,
+    usp_attention,
+    usp_groups,
+    usp_positions,
+)
 
 __all__ = [
-    "SEQ_DIM", "LAYOUTS", "layout_positions", "shard", "unshard", "Work", "measure_work", "attention_block",
+    "SEQ_DIM", "LAYOUTS", "TILE", "layout_positions", "shard", "unshard", "Work", "measure_work", "attention_block",
     "attention_block_backward", "merge_attention", "online_softmax_attention", "blockwise_attention", "ring_pass",
     "ring_attention_forward", "ring_attention_backward", "RingAttention", "ring_attention", "seq_to_heads",
     "heads_to_seq", "ulysses_attention", "usp_groups", "usp_positions", "usp_attention", "PeakMemory", "verify",

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
-from distlab import timeline
+from distlab.runtime import timeline
 
 SEQ_DIM = 2  # [batch, heads, tokens, head_dim]
 LAYOUTS = ("contiguous", "zigzag", "striped")
@@ -240,24 +240,24 @@ def attention_block_backward(q, k, v, dout, lse, delta, q_pos=None, k_pos=None, 
 def online_softmax_attention(q, k_blocks, v_blocks, scale=None):
     """Attention in one pass over a stream of key/value blocks, FlashAttention's inner loop.
 
-    Keeps, per query, the running max ``m`` of its scores, the running sum ``l`` of ``exp(s - m)``
-    and the running ``acc = Σ exp(s - m)·v``. When a block raises the max, ``l`` and ``acc`` are
-    rescaled by ``exp(m_old - m_new)``. At the end ``out = acc / l`` and ``lse = m + log l``.
+    Keeps, per query, the running max ``m`` of its scores, the running sum ``row_sum`` of ``exp(s - m)``
+    and the running ``acc = Σ exp(s - m)·v``. When a block raises the max, ``row_sum`` and ``acc`` are
+    rescaled by ``exp(m_old - m_new)``. At the end ``out = acc / row_sum`` and ``lse = m + log row_sum``.
     No score matrix wider than one block ever exists.
     """
     scale = _scale(q, scale)
-    m = l = acc = None
+    m = row_sum = acc = None
     for k, v in zip(k_blocks, v_blocks):
         s = torch.matmul(q, k.transpose(-2, -1)).float() * scale
         block_max = s.amax(dim=-1)
         m_new = block_max if m is None else torch.maximum(m, block_max)
         p = torch.exp(s - m_new.unsqueeze(-1))
         rescale = 1.0 if m is None else torch.exp(m - m_new)
-        l = p.sum(-1) if l is None else l * rescale + p.sum(-1)
+        row_sum = p.sum(-1) if row_sum is None else row_sum * rescale + p.sum(-1)
         acc_block = torch.matmul(p, v.float())
         acc = acc_block if acc is None else acc * rescale.unsqueeze(-1) + acc_block
         m = m_new
-    return acc / l.unsqueeze(-1), m + torch.log(l)
+    return acc / row_sum.unsqueeze(-1), m + torch.log(row_sum)
 
 
 def blockwise_attention(q, k, v, block_size: int, causal: bool = False):

@@ -15,6 +15,8 @@ from torch.utils._pytree import tree_leaves
 from distlab.context_parallel.blocks import SEQ_DIM, layout_positions
 from distlab.context_parallel.ring import ring_attention
 from distlab.context_parallel.ulysses import _check_heads, ulysses_attention, usp_attention, usp_groups, usp_positions
+from distlab.runtime import comm
+from distlab.runtime.rank import device as rank_device
 
 
 class PeakMemory(TorchDispatchMode):
@@ -90,9 +92,6 @@ def verify(method: str = "ring", batch: int = 1, heads: int = 4, seq_len: int = 
     full attention for that, so keep it for sizes one device can hold). Returns this rank's errors,
     the median seconds of forward + backward, and bytes sent per forward + backward.
     """
-    from distlab import comm
-    from distlab.rank import device as rank_device
-
     if method not in ("ring", "ulysses", "usp"):
         raise ValueError(f"method must be ring, ulysses or usp, got {method!r}")
     rank, world, dev = dist.get_rank(), dist.get_world_size(), rank_device()
@@ -104,41 +103,37 @@ def verify(method: str = "ring", batch: int = 1, heads: int = 4, seq_len: int = 
     full = [torch.randn(batch, heads, seq_len, head_dim, generator=generator) for _ in range(4)]
     full = [t.to(dev, torch_dtype) for t in full]
     groups = usp_groups(ulysses_size) if method == "usp" else ()
-    try:
-        if method == "usp":
-            positions = usp_positions(seq_len, world, ulysses_size, rank, layout).to(dev)
+    if method == "usp":
+        positions = usp_positions(seq_len, world, ulysses_size, rank, layout).to(dev)
+    else:
+        positions = layout_positions(seq_len, world, rank, layout).to(dev)
+    q, k, v, dout = (t.index_select(SEQ_DIM, positions) for t in full)
+    times, sent = [], []
+    for _ in range(repeats):
+        q_, k_, v_ = (t.detach().clone().requires_grad_() for t in (q, k, v))
+        before = comm.snapshot()
+        dist.barrier()
+        start = time.perf_counter()
+        if method == "ring":
+            out = ring_attention(q_, k_, v_, causal, layout)
+        elif method == "ulysses":
+            out = ulysses_attention(q_, k_, v_, causal)
         else:
-            positions = layout_positions(seq_len, world, rank, layout).to(dev)
-        q, k, v, dout = (t.index_select(SEQ_DIM, positions) for t in full)
-        times, sent = [], []
-        for _ in range(repeats):
-            q_, k_, v_ = (t.detach().clone().requires_grad_() for t in (q, k, v))
-            before = comm.current_log().total()
-            dist.barrier()
-            start = time.perf_counter()
-            if method == "ring":
-                out = ring_attention(q_, k_, v_, causal, layout)
-            elif method == "ulysses":
-                out = ulysses_attention(q_, k_, v_, causal)
-            else:
-                out = usp_attention(q_, k_, v_, causal, layout, *groups)
-            out.backward(dout)
-            _sync(dev)
-            times.append(time.perf_counter() - start)
-            sent.append(comm.current_log().total() - before)
-        result = {"rank": rank, "world_size": world, "method": method, "causal": causal, "layout": layout,
-                  "device": str(dev), "dtype": dtype, "seconds": statistics.median(times), "bytes_sent": sent[-1]}
-        if check:
-            ref = [t.detach().clone().requires_grad_() for t in full[:3]]
-            ref_out = F.scaled_dot_product_attention(*ref, is_causal=causal)
-            ref_out.backward(full[3])
-            pick = lambda t: t.detach().index_select(SEQ_DIM, positions).float()  # noqa: E731
-            result["forward_error"] = (out.detach().float() - pick(ref_out)).abs().max().item()
-            result["grad_error"] = max((mine.grad.float() - pick(theirs.grad)).abs().max().item()
-                                       for mine, theirs in zip((q_, k_, v_), ref))
-        return result
-    finally:
-        for group in groups:
-            dist.destroy_process_group(group)
+            out = usp_attention(q_, k_, v_, causal, layout, *groups)
+        out.backward(dout)
+        _sync(dev)
+        times.append(time.perf_counter() - start)
+        sent.append(comm.since(before).total())
+    result = {"rank": rank, "world_size": world, "method": method, "causal": causal, "layout": layout,
+              "device": str(dev), "dtype": dtype, "seconds": statistics.median(times), "bytes_sent": sent[-1]}
+    if check:
+        ref = [t.detach().clone().requires_grad_() for t in full[:3]]
+        ref_out = F.scaled_dot_product_attention(*ref, is_causal=causal)
+        ref_out.backward(full[3])
+        pick = lambda t: t.detach().index_select(SEQ_DIM, positions).float()  # noqa: E731
+        result["forward_error"] = (out.detach().float() - pick(ref_out)).abs().max().item()
+        result["grad_error"] = max((mine.grad.float() - pick(theirs.grad)).abs().max().item()
+                                   for mine, theirs in zip((q_, k_, v_), ref))
+    return result
 
 

@@ -12,8 +12,14 @@ import torch
 import torch.distributed as dist
 
 from distlab.collectives import ring_peers
-from distlab.context_parallel.blocks import (SEQ_DIM, _check_layout, attention_block, attention_block_backward,
-                                             layout_positions, merge_attention)
+from distlab.context_parallel.blocks import (
+    SEQ_DIM,
+    _check_layout,
+    attention_block,
+    attention_block_backward,
+    layout_positions,
+    merge_attention,
+)
 
 _KV_TAG, _GRAD_TAG = 7, 8  # gloo matches p2p messages by tag: K/V and dK/dV never mix (NCCL keeps order)
 
@@ -83,6 +89,7 @@ def ring_attention_backward(dout, q, k, v, out, lse, causal: bool = False, layou
     kv = torch.stack([k, v]).contiguous()
     dkv = torch.zeros(kv.shape, dtype=torch.float32, device=kv.device)  # the accumulator of the block in hand
     grad_requests = []
+    dkv_incoming = None  # filled by the previous step's ring_pass, read from step 1 on
     for step in range(world):
         if step < world - 1:
             incoming = torch.empty_like(kv)

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from distlab.context_parallel.blocks import layout_positions
 from distlab.context_parallel.ring import RingAttention
+from distlab.runtime.subgroups import own_subgroup
 
 
 def _group_size(group) -> int:
@@ -78,14 +79,14 @@ def ulysses_attention(q, k, v, causal: bool = False, group=None) -> torch.Tensor
 
 def usp_groups(ulysses_size: int):
     """``(ulysses_group, ring_group)`` of this rank for a 2D layout: Ulysses across consecutive ranks
-    (a node's fast links carry the all-to-all), ring across the groups. Every rank must call this."""
-    world, rank = dist.get_world_size(), dist.get_rank()
+    (a node's fast links carry the all-to-all), ring across the groups. Every rank must call this
+    (the groups are made on first use, and ``new_group`` is collective); warm ranks reuse them."""
+    world = dist.get_world_size()
     if ulysses_size < 1 or world % ulysses_size:
         raise ValueError(f"world size {world} is not divisible by the Ulysses degree {ulysses_size}")
     rings = world // ulysses_size
-    ulysses = [dist.new_group(list(range(i * ulysses_size, (i + 1) * ulysses_size))) for i in range(rings)]
-    ring = [dist.new_group(list(range(j, world, ulysses_size))) for j in range(ulysses_size)]
-    return ulysses[rank // ulysses_size], ring[rank % ulysses_size]
+    return (own_subgroup(range(i * ulysses_size, (i + 1) * ulysses_size) for i in range(rings)),
+            own_subgroup(range(j, world, ulysses_size) for j in range(ulysses_size)))
 
 
 def usp_positions(seq_len: int, world_size: int, ulysses_size: int, rank: int, layout: str = "contiguous"):
@@ -93,7 +94,8 @@ def usp_positions(seq_len: int, world_size: int, ulysses_size: int, rank: int, l
     rings = world_size // ulysses_size
     ring_shard = layout_positions(seq_len, rings, rank // ulysses_size, layout)
     if ring_shard.numel() % ulysses_size:
-        raise ValueError(f"a ring shard of {ring_shard.numel()} tokens does not split among {ulysses_size} Ulysses ranks")
+        raise ValueError(f"a ring shard of {ring_shard.numel()} tokens does not split among "
+                         f"{ulysses_size} Ulysses ranks")
     return ring_shard.chunk(ulysses_size)[rank % ulysses_size]
 
 

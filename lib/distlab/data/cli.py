@@ -13,7 +13,6 @@ import json
 import os
 import sys
 from pathlib import Path
-from typing import Optional
 
 from distlab.data.lineage import PurgeError, purge
 from distlab.data.mix import format_mix, mix_sources, parse_source
@@ -134,7 +133,7 @@ def _sample(args) -> int:
 COMMANDS = {"run": _run, "stats": _stats, "purge": _purge, "mix": _mix, "sample": _sample}
 
 
-def main(argv: Optional[list] = None) -> int:
+def main(argv: list | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         return COMMANDS[args.command](args)

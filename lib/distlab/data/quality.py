@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import string
 from dataclasses import dataclass
-from typing import Optional
 
 from distlab.data.document import Document, Outcome, Stage
 
@@ -42,7 +41,7 @@ class GopherQualityRules:
     min_alpha_words: float = 0.8
     min_stop_words: int = 2
 
-    def failure(self, text: str) -> Optional[str]:
+    def failure(self, text: str) -> str | None:
         """Name of the first rule the text breaks, or None if it passes them all."""
         words = split_words(text)
         n_words = len(words)
@@ -71,7 +70,7 @@ class GopherQualityRules:
 GOPHER = GopherQualityRules()
 
 
-def gopher_quality_failure(text: str) -> Optional[str]:
+def gopher_quality_failure(text: str) -> str | None:
     """The first Gopher quality rule ``text`` breaks (Gopher thresholds), or None."""
     return GOPHER.failure(text)
 

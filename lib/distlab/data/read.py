@@ -24,7 +24,7 @@ import os
 import re
 import time
 import zlib
-from typing import Iterator, Optional
+from typing import Iterator
 
 from warcio.archiveiterator import ArchiveIterator
 
@@ -47,8 +47,8 @@ def extract_html(html: str) -> str:
     of its extraction tree separately (with trafilatura's renderer) and join blocks
     with a blank line: headings and paragraphs become paragraphs, a list stays one
     paragraph of lines."""
-    import trafilatura  # imported lazily: it is the slowest import of the package
-    from trafilatura.xml import xmltotxt
+    import trafilatura  # noqa: PLC0415  trafilatura is the slowest import of the package; only HTML extraction needs it
+    from trafilatura.xml import xmltotxt  # noqa: PLC0415  trafilatura is heavy; only HTML extraction needs it
 
     extracted = trafilatura.bare_extraction(html, include_comments=False, include_tables=False,
                                             with_metadata=False)
@@ -72,7 +72,7 @@ def declared_charset(http_content_type: str, body: bytes) -> str:
     return found.group(1).decode("ascii").lower() if found else "utf-8"
 
 
-def usable_charset(name: str) -> Optional[str]:
+def usable_charset(name: str) -> str | None:
     """Python's codec for a declared charset, or None when it is unknown or not a text
     encoding (``punycode``, ``base64``, ``rot13`` are codecs, but not charsets of a page)."""
     try:
@@ -106,7 +106,7 @@ def _seek_magic(raw, data: bytes, start: int) -> tuple[bytes, int]:
         data, start = data[-keep:] + more, 0
 
 
-def gzip_members(raw, limit: int) -> Iterator[tuple[Optional[bytes], Optional[str], int]]:
+def gzip_members(raw, limit: int) -> Iterator[tuple[bytes | None, str | None, int]]:
     """Decompress a multi-member gzip file one member at a time.
 
     Yields ``(data, None, 0)`` for each member (its decompressed bytes, cut at
@@ -171,7 +171,7 @@ class WarcReader:
                 self.stats.docs_out += 1
                 yield doc
 
-    def _outcomes(self, path: str, source: str) -> Iterator[tuple[Document, Optional[str]]]:
+    def _outcomes(self, path: str, source: str) -> Iterator[tuple[Document, str | None]]:
         """(document, rejection reason or None) for every document-like record; timed."""
         start = time.perf_counter()
         with open(path, "rb") as raw:
@@ -193,7 +193,7 @@ class WarcReader:
                 start = time.perf_counter()
         self.stats.seconds += time.perf_counter() - start
 
-    def _gzip_records(self, raw, source: str) -> Iterator[tuple[Document, Optional[str]]]:
+    def _gzip_records(self, raw, source: str) -> Iterator[tuple[Document, str | None]]:
         first = True
         for data, problem, skipped in gzip_members(raw, self._member_limit()):
             if problem is not None:
@@ -224,7 +224,7 @@ class WarcReader:
         """A placeholder document for what could not be read, so the ledger can count it."""
         return Document(f"<{source}:{problem}:{self.stats.docs_in}>", "", source=source, meta={"error": detail[:200]})
 
-    def _records(self, stream, source: str) -> Iterator[tuple[Document, Optional[str]]]:
+    def _records(self, stream, source: str) -> Iterator[tuple[Document, str | None]]:
         """The records of one gzip member (usually exactly one) or of an uncompressed file.
 
         A header warcio cannot parse loses the rest of this stream (one rejection); any
@@ -246,7 +246,7 @@ class WarcReader:
             if outcome is not None:
                 yield outcome
 
-    def _read_record(self, record, source: str) -> Optional[tuple[Document, Optional[str]]]:
+    def _read_record(self, record, source: str) -> tuple[Document, str | None] | None:
         kind = record.rec_type
         if kind not in ("conversion", "response"):
             self.stats.counters[f"skipped_{kind}_records"] += 1
@@ -279,7 +279,7 @@ class WarcReader:
         doc.meta["hash_before"] = text_hash(doc.text)
         return doc, (None if doc.text else "empty")
 
-    def _decode(self, raw: bytes, charset: str) -> tuple[Optional[str], Optional[str]]:
+    def _decode(self, raw: bytes, charset: str) -> tuple[str | None, str | None]:
         """(text, None) or (None, reason). A charset Python cannot use as a text encoding
         falls back to UTF-8 (counted); bytes that still do not decode are ``non_utf8`` /
         ``undecodable``."""

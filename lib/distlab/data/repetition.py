@@ -11,7 +11,6 @@ from __future__ import annotations
 import re
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Optional
 
 from distlab.data.document import Document, Outcome, Stage
 from distlab.data.quality import split_words
@@ -73,7 +72,7 @@ class GopherRepetitionRules:
     max_dup_ngram_char_frac: dict = field(default_factory=lambda: {
         5: 0.15, 6: 0.14, 7: 0.13, 8: 0.12, 9: 0.11, 10: 0.10})
 
-    def failure(self, text: str) -> Optional[str]:
+    def failure(self, text: str) -> str | None:
         """Name of the first repetition rule ``text`` breaks, or None."""
         lines = [line.strip() for line in text.split("\n") if line.strip()]
         line_frac, line_char_frac = duplicate_fractions(lines)
@@ -100,7 +99,7 @@ class GopherRepetitionRules:
 GOPHER_REPETITION = GopherRepetitionRules()
 
 
-def gopher_repetition_failure(text: str) -> Optional[str]:
+def gopher_repetition_failure(text: str) -> str | None:
     return GOPHER_REPETITION.failure(text)
 
 

@@ -93,14 +93,16 @@ class RunReport:
         header = f"{'stage':<12}{'in':>8}{'out':>8}{'kept %':>8}"
         lines.append(header + (f"{'seconds':>10}{'docs/s':>10}" if timings else ""))
         for stage in self.stages:
-            row = f"{stage.name:<12}{stage.docs_in:>8}{stage.docs_out:>8}{100 * stage.docs_out / max(stage.docs_in, 1):>7.1f}%"
+            kept = 100 * stage.docs_out / max(stage.docs_in, 1)
+            row = f"{stage.name:<12}{stage.docs_in:>8}{stage.docs_out:>8}{kept:>7.1f}%"
             if timings:
                 row += f"{stage.seconds:>10.3f}{stage.docs_per_second:>10.0f}"
             lines.append(row)
         if timings:
             lines.append(f"wall {self.wall_seconds:.2f} s, {self.docs_per_second:.0f} documents/s end to end")
         lines.append("rejections by reason:")
-        lines += [f"  {reason:<34}{count:>6}" for reason, count in sorted(self.rejected.items(), key=lambda kv: (-kv[1], kv[0]))]
+        by_count = sorted(self.rejected.items(), key=lambda kv: (-kv[1], kv[0]))
+        lines += [f"  {reason:<34}{count:>6}" for reason, count in by_count]
         lines += [f"warning: {warning}" for warning in self.warnings]
         return "\n".join(lines)
 

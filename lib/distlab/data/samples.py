@@ -134,8 +134,8 @@ def boilerplate(rng: random.Random) -> str:
     if kind == 0:
         return "Home | About us | Contact | Login | Register\nCookie policy | Terms of use\n© 2024 All rights reserved"
     if kind == 1:
-        return "\n".join(f"• {rng.choice(ADJECTIVES).title()} {rng.choice(NOUNS)} with free delivery and a gift box - ${rng.randint(5, 99)}.99"
-                         for _ in range(rng.randint(12, 20)))
+        return "\n".join(f"• {rng.choice(ADJECTIVES).title()} {rng.choice(NOUNS)} with free delivery and a gift box"
+                         f" - ${rng.randint(5, 99)}.99" for _ in range(rng.randint(12, 20)))
     if kind == 2:
         return "\n".join(f"{prose_sentence(rng)[:-1]} and the rest of the story continues..."
                          for _ in range(rng.randint(8, 12)))
@@ -286,14 +286,15 @@ def generate_sample(directory, seed: int = 0, docs_per_file: int = 60, n_files: 
         for _ in range(docs_per_file // 10):
             original = rng.choice(originals)
             copy = SampleRecord("near_duplicate", edit_words(rng, original.text, rng.choice([0.0, 0.01, 0.02])),
-                                f"https://mirror{rng.randrange(9)}.example.net/copy/{rng.getrandbits(32):x}", random_uuid(rng))
+                                f"https://mirror{rng.randrange(9)}.example.net/copy/{rng.getrandbits(32):x}",
+                                random_uuid(rng))
             near_duplicates.append((original.record_id, copy.record_id,
                                     round(jaccard(shingles(original.text), shingles(copy.text)), 4)))
             records.insert(rng.randrange(len(records) + 1), copy)
         for _ in range(docs_per_file // 20):
             original = rng.choice(originals)
-            repeat = SampleRecord("url_repeat", prose(rng, 200), original.url.replace("https://", "http://") + "/?utm_source=feed",
-                                  random_uuid(rng))
+            repeat = SampleRecord("url_repeat", prose(rng, 200),
+                                  original.url.replace("https://", "http://") + "/?utm_source=feed", random_uuid(rng))
             records.append(repeat)
         all_records.append(records)
     # Broken and awkward records in the first file: empty, non-UTF-8, duplicate record id.

@@ -14,7 +14,7 @@ import functools
 import json
 import os
 from pathlib import Path
-from typing import Iterable, Optional, Sequence
+from typing import Iterable, Sequence
 
 import numpy as np
 
@@ -33,7 +33,7 @@ def ensure_tiktoken_cache() -> None:
 @functools.lru_cache(maxsize=1)
 def gpt2_encoding():
     ensure_tiktoken_cache()
-    import tiktoken
+    import tiktoken  # noqa: PLC0415  tiktoken is heavy and only encoding needs it
 
     return tiktoken.get_encoding("gpt2")
 
@@ -108,7 +108,7 @@ class ShardWriter:
     def _next_name(self) -> str:
         return f"{self.prefix}_{len(self.written):05d}.bin"
 
-    def flush(self) -> Optional[Path]:
+    def flush(self) -> Path | None:
         if not self._spans:
             return None
         path = self.directory / self._next_name()

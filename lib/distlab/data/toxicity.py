@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import re
 import time
-from typing import Callable, Iterable, Iterator, Optional, Sequence
+from typing import Callable, Iterable, Iterator, Sequence
 
 import numpy as np
 
 from distlab.data.document import Document, Ledger, Outcome, Stage
+from distlab.data.toxicity_sample import SAMPLE
 
 # A deliberately short default. For the C4 list: https://github.com/LDNOOBW/List-of-Dirty-Naughty-Obscene-and-Otherwise-Bad-Words
 DEFAULT_BLOCKLIST = ("porn", "porno", "xxx", "nsfw", "camgirl", "camgirls", "hentai", "milf",
@@ -64,7 +65,7 @@ class ClassifierScorer:
     def line_scores(self, lines: Sequence[str]) -> np.ndarray:
         """P(offensive) of each line (the model loads on first use: importing scikit-learn takes a second)."""
         if self._predict is None:
-            from profanity_check import predict_prob
+            from profanity_check import predict_prob  # noqa: PLC0415  loads scikit-learn (a second)
 
             self._predict = predict_prob
         if not lines:
@@ -93,7 +94,7 @@ class ClassifierScorer:
         return self.score_batch([text])[0]
 
 
-def make_scorer(kind: str = "classifier", blocklist: Optional[Iterable[str]] = None):
+def make_scorer(kind: str = "classifier", blocklist: Iterable[str] | None = None):
     """The scorer a pipeline configuration names: ``"classifier"`` or ``"blocklist"``."""
     if kind == "classifier":
         return ClassifierScorer()
@@ -111,7 +112,7 @@ class ToxicityFilter(Stage):
 
     name = "toxicity"
 
-    def __init__(self, scorer: Optional[Callable[[str], float]] = None, threshold: float = DEFAULT_THRESHOLD) -> None:
+    def __init__(self, scorer: Callable[[str], float] | None = None, threshold: float = DEFAULT_THRESHOLD) -> None:
         super().__init__()
         self.scorer = scorer if scorer is not None else ClassifierScorer()
         self.threshold = threshold
@@ -159,8 +160,6 @@ class ToxicityFilter(Stage):
 def evaluate(scorer: Callable[[str], float], sample=None, threshold: float = DEFAULT_THRESHOLD) -> dict:
     """Flag rate per label of the labelled sample, precision and recall of "toxic" (offensive or NSFW),
     and the sentences the scorer got wrong."""
-    from distlab.data.toxicity_sample import SAMPLE
-
     sample = SAMPLE if sample is None else sample
     texts = [text for _, text in sample]
     scores = scorer.score_batch(texts) if hasattr(scorer, "score_batch") else [scorer(text) for text in texts]
@@ -174,5 +173,5 @@ def evaluate(scorer: Callable[[str], float], sample=None, threshold: float = DEF
     true_positives = sum(hit and bad for hit, bad in zip(flagged, toxic))
     return {"per_label": per_label,
             "precision": true_positives / max(sum(flagged), 1), "recall": true_positives / max(sum(toxic), 1),
-            "wrong": [(label, text, round(float(score), 3)) for (label, text), score, hit in zip(sample, scores, flagged)
-                      if hit != (label != "clean")]}
+            "wrong": [(label, text, round(float(score), 3))
+                      for (label, text), score, hit in zip(sample, scores, flagged) if hit != (label != "clean")]}

@@ -15,20 +15,58 @@ and noticing what does not crash: hangs, loss spikes, NaNs, silently corrupted b
 * :mod:`~distlab.fault_tolerance.cadence` — Young/Daly checkpoint intervals from the failure rate.
 """
 
-from distlab.fault_tolerance.cadence import (LLAMA3, daly_interval, expected_lost_work, job_mtbf_hours, plan_cadence,
-                                             waste_fraction, young_interval)
-from distlab.fault_tolerance.checkpoint import (CheckpointError, PendingCheckpoint, TrainState,
-                                                 async_save_checkpoint, check_compatible, checkpoint_group,
-                                                 checkpoint_path, latest_checkpoint, list_checkpoints,
-                                                 load_checkpoint, partial_checkpoints, read_checkpoint,
-                                                 save_checkpoint, verify_checkpoint)
-from distlab.fault_tolerance.detect import (find_divergent_replicas, fingerprint, grad_norm_outliers, hang_suspects,
-                                            local_grad_norm)
-from distlab.fault_tolerance.faults import (DyingWriter, Fault, corrupt_file, die, flip_bit, flip_bit_on_disk,
-                                            hang_in_recv)
+from distlab.fault_tolerance.cadence import (
+    LLAMA3,
+    daly_interval,
+    expected_lost_work,
+    job_mtbf_hours,
+    plan_cadence,
+    waste_fraction,
+    young_interval,
+)
+from distlab.fault_tolerance.checkpoint import (
+    CheckpointError,
+    PendingCheckpoint,
+    TrainState,
+    async_save_checkpoint,
+    check_compatible,
+    checkpoint_group,
+    checkpoint_path,
+    latest_checkpoint,
+    list_checkpoints,
+    load_checkpoint,
+    partial_checkpoints,
+    read_checkpoint,
+    save_checkpoint,
+    verify_checkpoint,
+)
+from distlab.fault_tolerance.detect import (
+    find_divergent_replicas,
+    fingerprint,
+    grad_norm_outliers,
+    hang_suspects,
+    local_grad_norm,
+)
+from distlab.fault_tolerance.faults import (
+    DyingWriter,
+    Fault,
+    corrupt_file,
+    die,
+    flip_bit,
+    flip_bit_on_disk,
+    hang_in_recv,
+)
 from distlab.fault_tolerance.guards import SpikeGuard, diagnose_nonfinite, guarded_train, masked_cross_entropy
-from distlab.fault_tolerance.resume import (MetricsLog, RestartReport, ShuffledOrder, TrainSetup, make_training,
-                                             resumable_train, run_with_restarts, train_step_ddp)
+from distlab.fault_tolerance.resume import (
+    MetricsLog,
+    RestartReport,
+    ShuffledOrder,
+    TrainSetup,
+    make_training,
+    resumable_train,
+    run_with_restarts,
+    train_step_ddp,
+)
 
 __all__ = [
     "LLAMA3", "daly_interval", "expected_lost_work", "job_mtbf_hours", "plan_cadence", "waste_fraction",

@@ -29,6 +29,7 @@ import json
 import os
 import re
 import shutil
+import tempfile
 import threading
 import time
 import warnings
@@ -42,11 +43,13 @@ import torch.distributed as dist
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint import FileSystemReader, FileSystemWriter
 from torch.distributed.checkpoint._nested_dict import flatten_state_dict
+from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.checkpoint.stateful import Stateful
 
 from distlab.fault_tolerance.faults import DyingWriter
-from distlab.timeline import span
+from distlab.runtime.subgroups import subgroup
+from distlab.runtime.timeline import span
 
 __all__ = [
     "CheckpointError", "MANIFEST", "PARTIAL_SUFFIX", "checkpoint_path", "list_checkpoints", "latest_checkpoint",
@@ -177,9 +180,6 @@ def check_compatible(path: str | os.PathLike, state: dict) -> None:
 
 # ---------------------------------------------------------------- saving
 
-_GROUPS: dict[int, Any] = {}
-
-
 def checkpoint_group():
     """A gloo group of all ranks for checkpoint coordination (``None`` without a process group).
 
@@ -191,11 +191,7 @@ def checkpoint_group():
     """
     if not (dist.is_available() and dist.is_initialized()):
         return None
-    key = id(dist.group.WORLD)
-    if key not in _GROUPS:
-        _GROUPS.clear()
-        _GROUPS[key] = dist.new_group(backend="gloo")
-    return _GROUPS[key]
+    return subgroup(range(dist.get_world_size()), backend="gloo", purpose="checkpoint")
 
 
 @contextmanager
@@ -374,10 +370,6 @@ def read_checkpoint(path: str | os.PathLike, verify: bool = True) -> dict[str, A
     Keys are DCP's (``train.model.blocks.0.attn.qkv.weight``, ``train.step``…); sharded
     tensors come back whole. For inspection and tests: it materialises the full state.
     """
-    import tempfile
-
-    from torch.distributed.checkpoint.format_utils import dcp_to_torch_save
-
     manifest = verify_checkpoint(path, checksums=verify)
     with tempfile.TemporaryDirectory(prefix="distlab-read-") as tmp:
         dcp_to_torch_save(manifest["path"], os.path.join(tmp, "state.pt"))

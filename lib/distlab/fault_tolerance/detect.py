@@ -15,7 +15,7 @@ same update), hence:
   norm (before averaging) and flag the outlier. A sudden 10x norm with a normal loss
   is a classic SDC signature.
 
-A hang is named from the launcher's :class:`~distlab.launcher.CollectiveTimeout`: the
+A hang is named from the launcher's :class:`~distlab.runtime.launch.CollectiveTimeout`: the
 rank that is not where the others are.
 """
 
@@ -27,6 +27,8 @@ from collections import Counter
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+
+from distlab.runtime.rank import device
 
 __all__ = ["fingerprint", "parameter_fingerprints", "find_divergent_replicas", "local_grad_norm",
            "grad_norm_outliers", "hang_suspects"]
@@ -88,8 +90,6 @@ def find_divergent_replicas(model: nn.Module, group=None) -> dict[int, list[str]
 
 
 def _comm_device(group) -> torch.device:
-    from distlab.rank import device
-
     return device() if dist.get_backend(group) == "nccl" else torch.device("cpu")
 
 
@@ -117,7 +117,7 @@ def grad_norm_outliers(local_norm: float, factor: float = 10.0, group=None) -> t
 
 
 def hang_suspects(error, world_size: int) -> list[int]:
-    """The ranks a :class:`~distlab.launcher.CollectiveTimeout` points at: not in the op most ranks wait in.
+    """The ranks a :class:`~distlab.runtime.launch.CollectiveTimeout` points at: not in the op most ranks wait in.
 
     ``error.waiting`` maps each blocked rank to its op; a rank missing from it was not
     in any collective (still computing: the classic hung rank); a rank in another op

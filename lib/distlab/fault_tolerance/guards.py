@@ -18,6 +18,7 @@ a checkpoint that came back corrupted. The response has two parts:
 
 from __future__ import annotations
 
+import copy
 import math
 import statistics
 from collections import deque
@@ -203,8 +204,6 @@ def diagnose_nonfinite(model: nn.Module, x: torch.Tensor, targets: torch.Tensor,
 
 def _run_in_fp32(module: nn.Module, inputs: tuple) -> torch.Tensor:
     """The module's output with its parameters and inputs in fp32 (a copy: the model is untouched)."""
-    import copy
-
     twin = copy.deepcopy(module).float()
     return twin(*[t.float() if isinstance(t, torch.Tensor) and t.is_floating_point() else t for t in inputs])
 

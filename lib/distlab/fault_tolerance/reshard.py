@@ -22,11 +22,12 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.fsdp import fully_shard  # torch >= 2.6 (already loaded by the state_dict import above)
 
 from distlab.fault_tolerance.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
 from distlab.fault_tolerance.resume import ShuffledOrder, TrainSetup, local_rows
 from distlab.model import GPT, GPTConfig, synthetic_batch
-from distlab.rank import device
+from distlab.runtime.rank import device
 
 __all__ = ["build_fsdp", "gather_full_state", "fsdp_job"]
 
@@ -34,8 +35,6 @@ __all__ = ["build_fsdp", "gather_full_state", "fsdp_job"]
 def build_fsdp(cfg: GPTConfig, batch_size: int, lr: float = 3e-3, seed: int = 0, data_seed: int = 0,
                n_items: int = 64) -> TrainSetup:
     """The lab's GPT with every block and the root under FSDP2 (``fully_shard``), AdamW, a data order."""
-    from torch.distributed.fsdp import fully_shard  # torch >= 2.6; imported here, it pulls in all of FSDP
-
     model = GPT(cfg, seed=seed).to(device())
     for block in model.blocks:
         fully_shard(block)

@@ -9,8 +9,8 @@ curve continues bit for bit.
 
 :func:`resumable_train` is the job (every rank runs it); :func:`run_with_restarts`
 runs in the notebook process, as a cluster's job supervisor would: it launches the
-job, and when a rank dies (:class:`~distlab.launcher.RankCrashed`) or the ranks hang
-(:class:`~distlab.launcher.CollectiveTimeout`) it launches it again, which resumes
+job, and when a rank dies (:class:`~distlab.runtime.launch.RankCrashed`) or the ranks hang
+(:class:`~distlab.runtime.launch.CollectiveTimeout`) it launches it again, which resumes
 from the last committed checkpoint. Faults are real: :class:`Fault` makes a rank
 SIGKILL itself at a chosen step, or in the middle of writing its checkpoint shard.
 """
@@ -28,12 +28,18 @@ import torch
 import torch.distributed as dist
 
 from distlab.data_parallel import BucketedDDP
-from distlab.fault_tolerance.checkpoint import (TrainState, async_save_checkpoint, latest_checkpoint,
-                                                 load_checkpoint, partial_checkpoints, save_checkpoint)
+from distlab.fault_tolerance.checkpoint import (
+    TrainState,
+    async_save_checkpoint,
+    latest_checkpoint,
+    load_checkpoint,
+    partial_checkpoints,
+    save_checkpoint,
+)
 from distlab.fault_tolerance.faults import Fault
-from distlab.launcher import CollectiveTimeout, RankCrashed, launch
 from distlab.model import GPT, GPTConfig, synthetic_batch
-from distlab.rank import device
+from distlab.runtime.launch import CollectiveTimeout, RankCrashed, launch
+from distlab.runtime.rank import device
 
 __all__ = ["ShuffledOrder", "MetricsLog", "TrainSetup", "make_training", "train_step_ddp",
            "resumable_train", "Attempt", "RestartReport", "run_with_restarts"]
@@ -246,7 +252,7 @@ def run_with_restarts(worker: Callable, world_size: int, ckpt_dir: str, *, kwarg
 
     Runs in the launching (notebook) process. ``faults[attempt]`` is injected into that
     attempt only. A rank that *raised* is a bug, not an infrastructure failure: its
-    :class:`~distlab.launcher.RankFailed` propagates instead of being retried.
+    :class:`~distlab.runtime.launch.RankFailed` propagates instead of being retried.
     ``ranks`` (a :class:`distlab.Ranks`) is reused when given; a failure ends its
     processes and the next attempt gets fresh ones.
     """

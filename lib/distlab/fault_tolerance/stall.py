@@ -23,7 +23,7 @@ from distlab.fault_tolerance.checkpoint import async_save_checkpoint, save_check
 from distlab.fault_tolerance.resume import make_training, train_step_ddp
 from distlab.memory import model_state_bytes
 from distlab.model import GPTConfig
-from distlab.timeline import span
+from distlab.runtime.timeline import span
 
 __all__ = ["MODES", "timed_training", "state_bytes", "stall_summary"]
 

@@ -10,14 +10,40 @@
 """
 
 from distlab.fp8 import distributed
-from distlab.fp8.formats import (FORMATS, FP8_FORMATS, Format, all_codes, binades, bit_fields, decode, encode,
-                                 relative_error, round_mantissa, round_to)
+from distlab.fp8.formats import (
+    FORMATS,
+    FP8_FORMATS,
+    Format,
+    all_codes,
+    binades,
+    bit_fields,
+    decode,
+    encode,
+    relative_error,
+    round_mantissa,
+    round_to,
+)
 from distlab.fp8.linear import Float8Linear, convert_to_float8, float8_matmul
 from distlab.fp8.matmul import ScaledMMSupport, emulated_scaled_mm, fp8_matmul, scale_kind, scaled_mm_support
-from distlab.fp8.scaling import (TILE, DelayedScaling, accumulation_error, dequantize, expand_scale,
-                                 gradient_underflow, quantize, snr_db)
-from distlab.fp8.training import (RECIPES, TrainResult, compute_device, final_loss, half_precision,
-                                  matmul_throughput, train_recipe)
+from distlab.fp8.scaling import (
+    TILE,
+    DelayedScaling,
+    accumulation_error,
+    dequantize,
+    expand_scale,
+    gradient_underflow,
+    quantize,
+    snr_db,
+)
+from distlab.fp8.training import (
+    RECIPES,
+    TrainResult,
+    compute_device,
+    final_loss,
+    half_precision,
+    matmul_throughput,
+    train_recipe,
+)
 
 __all__ = [
     "distributed", "FORMATS", "FP8_FORMATS", "Format", "all_codes", "binades", "bit_fields", "decode", "encode",

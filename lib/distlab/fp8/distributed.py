@@ -19,6 +19,8 @@ import torch.distributed as dist
 
 from distlab.fp8.formats import FORMATS, Format
 from distlab.fp8.scaling import quantize
+from distlab.runtime import comm
+from distlab.runtime.rank import device
 
 __all__ = ["global_amax", "all_gather_fp8", "demo"]
 
@@ -57,9 +59,6 @@ def demo(rows: int = 512, cols: int = 256, seed: int = 0) -> dict:
     weight in one process, and the bytes each gather put on the wire (from distlab's comm
     log when run under ``distlab.launch``).
     """
-    from distlab import comm
-    from distlab.rank import device
-
     rank, world = dist.get_rank(), dist.get_world_size()
     if rows % world:
         raise ValueError(f"rows={rows} must be divisible by the world size {world}")
@@ -67,10 +66,9 @@ def demo(rows: int = 512, cols: int = 256, seed: int = 0) -> dict:
     weight = torch.randn(rows, cols, generator=generator) * torch.logspace(-2, 1, rows).unsqueeze(1)
     shard = weight.chunk(world)[rank].to(device())
     reference, ref_scale = quantize(weight, "e4m3")
-    log = comm.current_log()
     out = {}
     for label, shared in (("shared scale", True), ("own scale", False)):
-        before = log.total("payload_bytes", ("all_gather_into_tensor", "all_gather_single"))
+        before = comm.snapshot()
         q, scales = all_gather_fp8(shard, "e4m3", shared_scale=shared)
         q, scales = q.cpu(), scales.cpu()
         as_one = q.float() * scales[0]  # a consumer that takes the gathered tensor with one scale
@@ -78,10 +76,9 @@ def demo(rows: int = 512, cols: int = 256, seed: int = 0) -> dict:
             "codes_equal": bool(torch.equal(q.view(torch.uint8), reference.view(torch.uint8))),
             "scales_equal": bool(torch.equal(scales, ref_scale.reshape(1).expand(world))),
             "relative_error": float((as_one - weight).norm() / weight.norm()),
-            "payload_bytes": log.total("payload_bytes", ("all_gather_into_tensor", "all_gather_single")) - before}
-    before = log.total("payload_bytes", ("all_gather_into_tensor", "all_gather_single"))
+            "payload_bytes": comm.since(before).total("payload_bytes", "all_gather")}
+    before = comm.snapshot()
     full = torch.empty(rows, cols, dtype=torch.bfloat16, device=shard.device)
     dist.all_gather_into_tensor(full, shard.bfloat16())
-    out["bf16"] = {"payload_bytes": log.total("payload_bytes", ("all_gather_into_tensor", "all_gather_single"))
-                   - before}
+    out["bf16"] = {"payload_bytes": comm.since(before).total("payload_bytes", "all_gather")}
     return out

@@ -67,8 +67,10 @@ def check(exercise_id: str, *student_code, quiet: bool = False) -> CheckResult:
         if is_not_attempted(error):
             status, points, detail = "not attempted", 0, ""
         else:
+            from distlab.grading.harness import first_line  # noqa: PLC0415  the harness imports this module
+
             status, points = "failed", 0
-            detail = f"raised {type(error).__name__}: {_first_line(error)}"
+            detail = f"raised {type(error).__name__}: {first_line(error)}"
     result = CheckResult(exercise.id, exercise.title, status, points, exercise.points, detail, exercise.label)
     _record(result)
     if not quiet:
@@ -94,11 +96,6 @@ def needs(*exercise_ids: str):
             raise
         names = " and ".join(exercise_ids) if exercise_ids else "the exercises above"
         print(f"· finish exercise {names} to see this")
-
-
-def _first_line(error: BaseException) -> str:
-    text = str(error).strip().splitlines()
-    return text[0][:300] if text else ""
 
 
 def _record(result: CheckResult) -> None:

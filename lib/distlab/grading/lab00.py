@@ -3,15 +3,12 @@
 Multi-rank checkers run the student's function on real gloo ranks, one warm
 group per world size (2, 3 and 4), and compare each rank's answer with
 ``torch.distributed``'s own result. The helpers at the top are shared with
-:mod:`distlab.grading.lab02`.
+:mod:`distlab.grading.lab02`; what every lab shares is in :mod:`distlab.grading.harness`.
 """
 
 from __future__ import annotations
 
-import ast
-import inspect
 import random
-import textwrap
 from contextlib import contextmanager
 
 import torch
@@ -19,66 +16,30 @@ import torch.distributed as dist
 
 from distlab.collectives import first_mismatch
 from distlab.grading import CheckFailed, quiz
+from distlab.grading.harness import JOB_TIMEOUT, launch_failures_fail_the_check, raise_if_untouched
 from distlab.grading.registry import Exercise
-from distlab.launcher import CollectiveTimeout, LaunchTimeout, Ranks
+from distlab.runtime import comm
+from distlab.runtime.launch import Ranks
 
 WORLD_SIZES = (2, 3, 4)
 COLLECTIVE_TIMEOUT = 8.0  # seconds: a deadlocked ring fails within seconds, a rank slowed by a busy machine does not
-JOB_TIMEOUT = 60.0  # seconds for one job: an endless loop outside any collective, on a machine that may be busy
 
 
 # ---------------------------------------------------------------- shared helpers
 
 @contextmanager
 def rank_group(world_size: int, what: str):
-    """A warm gloo group for one world size; a hang becomes a CheckFailed that says so."""
+    """A gloo group of its own for one world size, for several jobs; a hang becomes a CheckFailed that says so.
+
+    No lab-specific advice: the launcher says what it saw (everyone receiving, everyone sending, sends to
+    the wrong neighbour, a missing call) and what to check for that case; the hint is its, not a fixed guess.
+    """
     ranks = Ranks(world_size, backend="gloo", collective_timeout=COLLECTIVE_TIMEOUT)
     try:
-        yield ranks
-    except CollectiveTimeout as hang:
-        # The launcher says what it saw (everyone receiving, everyone sending, sends to the wrong neighbour,
-        # a missing call) and what to check for that case; the hint is its, not a fixed guess.
-        raise CheckFailed(f"{what} deadlocked on {world_size} ranks: {_first_line(hang)} Hint: {hang.hint}") from None
-    except LaunchTimeout:
-        raise CheckFailed(f"{what} did not finish within {JOB_TIMEOUT:g} s on {world_size} ranks "
-                          "(an endless loop?)") from None
+        with launch_failures_fail_the_check(what, world_size):
+            yield ranks
     finally:
         ranks.close()
-
-
-def raise_if_untouched(*student_code) -> None:
-    """Raise the stub's ``NotImplementedError`` now when a function (or a method of a class) the student
-    hands in is still exactly its stub, so an unfinished exercise is "not attempted" without starting ranks.
-
-    Only a body that is nothing but ``raise NotImplementedError("Exercise …")`` counts; anything the
-    student wrote runs on the ranks as usual.
-    """
-    for code in student_code:
-        functions = [code] if callable(code) and not inspect.isclass(code) else [
-            member for _, member in inspect.getmembers(code, inspect.isfunction)]
-        for fn in functions:
-            message = _stub_message(fn)
-            if message is not None:
-                raise NotImplementedError(message)
-
-
-def _stub_message(fn) -> str | None:
-    try:
-        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
-    except (OSError, TypeError, SyntaxError):
-        return None
-    node = tree.body[0] if tree.body else None
-    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
-        return None
-    body = [statement for statement in node.body
-            if not (isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant))]  # docstrings
-    if len(body) != 1 or not isinstance(body[0], ast.Raise) or not isinstance(body[0].exc, ast.Call):
-        return None
-    call = body[0].exc
-    if getattr(call.func, "id", None) != "NotImplementedError" or not call.args:
-        return None
-    text = getattr(call.args[0], "value", None)
-    return text if isinstance(text, str) and text.startswith("Exercise ") else None
 
 
 def run_job(ranks: Ranks, fn, *args):
@@ -87,8 +48,6 @@ def run_job(ranks: Ranks, fn, *args):
 
 def ops_used(log=None) -> dict[str, int]:
     """Inside a rank: how many times each torch.distributed op was called so far in this job."""
-    from distlab import comm
-
     log = log or comm.current_log()
     return {op: stats.calls for op, stats in log.ops.items() if stats.calls}
 
@@ -112,11 +71,6 @@ def compare_tensor(rank: int, expected: torch.Tensor, got, what: str, hint=None)
         extra = hint(index, want, have) if hint else ""
         raise CheckFailed(f"rank {rank}, element {index}: expected {want:.6g}, got {have:.6g} "
                           f"({what}){extra}")
-
-
-def _first_line(error: BaseException) -> str:
-    lines = str(error).strip().splitlines()
-    return lines[0] if lines else type(error).__name__
 
 
 def _shape_text(shape) -> str:

@@ -20,14 +20,14 @@ import torch.distributed as dist
 
 from distlab.collectives import ring_all_gather_bytes, ring_all_reduce_bytes
 from distlab.grading import CheckFailed, quiz
-from distlab.grading.lab00 import WORLD_SIZES, compare_tensor, raise_if_untouched, random_tensor, rank_group, run_job
+from distlab.grading.harness import raise_if_untouched
+from distlab.grading.lab00 import WORLD_SIZES, compare_tensor, random_tensor, rank_group, run_job
 from distlab.grading.registry import Exercise
+from distlab.runtime import comm
 
 P2P_SENDS = ("send", "isend")
-COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "all_gather_into_tensor", "reduce_scatter",
-               "reduce_scatter_tensor", "all_to_all", "all_to_all_single", "gather", "scatter",
-               "reduce_scatter_single", "all_gather_single")
-_UNTRACKED = ("reduce_scatter_single", "all_gather_single")  # torch >= 2.11 names that distlab.comm does not wrap
+COLLECTIVES = ("all_reduce", "reduce", "broadcast", "all_gather", "reduce_scatter", "all_to_all", "gather",
+               "scatter")  # canonical names (distlab.runtime.comm.canonical): all_gather_into_tensor is all_gather
 
 
 def _cases(rng: random.Random, n: int) -> list[tuple[tuple[int, ...], torch.dtype]]:
@@ -42,32 +42,11 @@ def _cases(rng: random.Random, n: int) -> list[tuple[tuple[int, ...], torch.dtyp
 
 
 def _run_student(student_fn, x):
-    """Call ``student_fn(x)`` and return (its value, ops called, bytes sent with send/isend)."""
-    from distlab import comm
-
-    counters = {}
-    saved = {}
-    for name in _UNTRACKED:  # count the direct calls of these too, while the student's code runs
-        real = getattr(dist, name, None)
-        if real is None:
-            continue
-
-        def counted(*args, real_fn=real, op_name=name, **kwargs):
-            counters[op_name] = counters.get(op_name, 0) + 1
-            return real_fn(*args, **kwargs)
-
-        saved[name] = real
-        setattr(dist, name, counted)
-    try:
-        value = student_fn(x)
-    finally:
-        for name, real in saved.items():
-            setattr(dist, name, real)
-    log = comm.current_log()
-    ops = {op: stats.calls for op, stats in log.ops.items() if stats.calls}
-    ops.update(counters)
-    sent = log.total("wire_bytes", ops=P2P_SENDS)
-    return value, ops, sent
+    """Call ``student_fn(x)`` and return (its value, calls per canonical op, bytes sent with send/isend)."""
+    before = comm.snapshot()
+    value = student_fn(x)
+    traffic = comm.since(before)
+    return value, {op: counts.calls for op, counts in traffic.ops.items()}, traffic.total("wire_bytes", P2P_SENDS)
 
 
 def _collectives_called(ops: dict[str, int]) -> list[str]:
@@ -193,9 +172,9 @@ def _check_reduce_scatter_all_gather(r: int, ops: dict[str, int], what: str) -> 
     if ops.get("all_reduce"):
         raise CheckFailed(f"rank {r} called dist.all_reduce; build the all-reduce from "
                           f"dist.reduce_scatter_tensor and dist.all_gather_into_tensor ({what})")
-    if not (ops.get("reduce_scatter_tensor") or ops.get("reduce_scatter_single") or ops.get("reduce_scatter")):
+    if not ops.get("reduce_scatter"):
         raise CheckFailed(f"rank {r} never called dist.reduce_scatter_tensor ({what})")
-    if not (ops.get("all_gather_into_tensor") or ops.get("all_gather_single") or ops.get("all_gather")):
+    if not ops.get("all_gather"):
         raise CheckFailed(f"rank {r} never called dist.all_gather_into_tensor ({what})")
 
 

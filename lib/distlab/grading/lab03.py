@@ -26,19 +26,26 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from distlab.data_parallel import (OverlappedDDP, assign_buckets, build_model, gradient_bytes, local_batches,
-                                   reference_run, train_step)
+from distlab.data_parallel import OverlappedDDP, assign_buckets, build_model, local_batches, reference_run, train_step
+from distlab.data_parallel import broadcast_parameters as reference_broadcast
 from distlab.grading import CheckFailed, quiz
-from distlab.grading.lab00 import raise_if_untouched
+from distlab.grading.harness import (
+    LONG_JOB_TIMEOUT,
+    WEIGHT_ATOL,
+    case_gradient_bytes,
+    lab_seed,
+    max_difference,
+    raise_if_untouched,
+    rank_seed,
+    run_on_ranks,
+)
 from distlab.grading.registry import Exercise
 from distlab.model import GPTConfig
 from distlab.reference import make_optimizer
 
-_SEED = 3_2024
+_SEED = lab_seed(3)
 STEPS = 3
-ATOL = 1e-6
 COLLECTIVE_TIMEOUT = 30.0  # seconds: long enough for a rank starved on a busy machine; a deadlock still fails
-JOB_TIMEOUT = 120.0  # seconds for one job: an endless loop, on a machine that may be busy
 
 __all__ = ["EXERCISES", "QUIZ", "Case", "compare_with_reference", "describe_factor", "check_naive_ddp",
            "check_bucketed_ddp", "check_overlapped_ddp", "check_gradient_accumulation"]
@@ -95,10 +102,6 @@ def _state(module) -> dict[str, torch.Tensor]:
     return {name: t.detach().clone() for name, t in module.state_dict().items()}
 
 
-def _rank_seed(case: Case, rank: int) -> int:
-    return case.seed if rank == 0 else case.seed + 1000 * rank + 1  # != rank 0: the broadcast must happen
-
-
 def _train_with_sync(module, sync_gradients, case: Case) -> dict:
     """SGD steps on this rank's slice of each global batch, gradients synchronised by ``sync_gradients()``."""
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -117,17 +120,15 @@ def _train_with_sync(module, sync_gradients, case: Case) -> dict:
 
 def _worker_functions(broadcast_fn, allreduce_fn, case: Case) -> dict:
     """3.1 on a rank: the student's broadcast, then SGD steps with the student's gradient all-reduce."""
-    module = build_model(case.model, case.cfg, seed=_rank_seed(case, dist.get_rank()))
+    module = build_model(case.model, case.cfg, seed=rank_seed(case.seed, dist.get_rank()))
     broadcast_fn(module)
     return _train_with_sync(module, lambda: allreduce_fn(module), case)
 
 
 def _worker_buckets(assign_fn, allreduce_buckets_fn, case: Case) -> dict:
     """3.2 on a rank: the reference broadcast, the student's buckets and bucketed all-reduce."""
-    from distlab.data_parallel import broadcast_parameters
-
-    module = build_model(case.model, case.cfg, seed=_rank_seed(case, dist.get_rank()))
-    broadcast_parameters(module)
+    module = build_model(case.model, case.cfg, seed=rank_seed(case.seed, dist.get_rank()))
+    reference_broadcast(module)
     buckets = assign_fn(list(module.parameters()), case.bucket_cap_bytes)
     return _train_with_sync(module, lambda: allreduce_buckets_fn(buckets), case)
 
@@ -135,7 +136,7 @@ def _worker_buckets(assign_fn, allreduce_buckets_fn, case: Case) -> dict:
 def _worker_ddp(ddp_factory, step_fn, case: Case) -> dict:
     """3.3/3.4 on a rank: a DDP class driven by a step function over ``accum`` micro-batches."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    module = build_model(case.model, case.cfg, seed=_rank_seed(case, rank))
+    module = build_model(case.model, case.cfg, seed=rank_seed(case.seed, rank))
     ddp = ddp_factory(module, case.bucket_cap_bytes)
     out = {"initial": _state(module), "states": []}
     opt = make_optimizer(module.parameters(), "sgd", lr=case.lr)
@@ -148,17 +149,11 @@ def _worker_ddp(ddp_factory, step_fn, case: Case) -> dict:
 
 
 def _launch(worker, case: Case, *args):
-    import distlab
-    from distlab.launcher import CollectiveTimeout
-
-    try:
-        return distlab.launch(worker, case.world_size, args=(*args, case), warm=True, show_output=False, backend="gloo",
-                              collective_timeout=COLLECTIVE_TIMEOUT, timeout=JOB_TIMEOUT)
-    except CollectiveTimeout as error:
-        raise CheckFailed(
-            f"{case}: the ranks deadlocked ({str(error).splitlines()[0]}). Every rank must make the same "
-            f"collective calls in the same order: a parameter with no gradient on some rank (p.grad is None) "
-            f"still needs its all-reduce (with zeros), and buckets must be launched in bucket order") from None
+    return run_on_ranks(worker, case.world_size, *args, case, what=f"your code ({case})",
+                        advice="Every rank must make the same collective calls in the same order: a parameter with "
+                               "no gradient on some rank (p.grad is None) still needs its all-reduce (with zeros), "
+                               "and buckets must be launched in bucket order.",
+                        collective_timeout=COLLECTIVE_TIMEOUT, timeout=LONG_JOB_TIMEOUT)
 
 
 # ---------------------------------------------------------------- comparing with the reference
@@ -195,12 +190,9 @@ def _update_factor(got: torch.Tensor, ref: torch.Tensor, before: torch.Tensor) -
 
 
 def _worst(a: dict, b: dict) -> tuple[str, float]:
-    worst_name, worst = "", -1.0
-    for name in a:
-        diff = (a[name].double() - b[name].double()).abs().max().item() if a[name].numel() else 0.0
-        if diff > worst:
-            worst_name, worst = name, diff
-    return worst_name, worst
+    """The entry of two state dicts that differs most, and by how much."""
+    return max(((name, max_difference(a[name], b[name])[0]) for name in a), key=lambda item: item[1],
+               default=("", -1.0))
 
 
 def compare_with_reference(run, case: Case, reference: dict | None = None) -> dict:
@@ -223,7 +215,7 @@ def compare_with_reference(run, case: Case, reference: dict | None = None) -> di
         for rank, out in enumerate(run):
             got = out["states"][step]
             name, diff = _worst(got, ref["states"][step])
-            if diff <= ATOL:
+            if diff <= WEIGHT_ATOL:
                 continue
             before = ref["states"][step - 1] if step else ref["initial"]
             factor = _update_factor(got[name], ref["states"][step][name], before[name])
@@ -235,7 +227,7 @@ def compare_with_reference(run, case: Case, reference: dict | None = None) -> di
             other = ""
             if rank == 0 and case.world_size > 1:
                 r1_name, r1_diff = _worst(run[1]["states"][step], got)
-                if r1_diff > ATOL:
+                if r1_diff > WEIGHT_ATOL:
                     other = f"; the ranks also disagree with each other (rank 1's {r1_name} by {r1_diff:.3g})"
             raise CheckFailed(f"{case}: after step {step + 1}, rank {rank}'s {name} differs from the reference "
                               f"{how}{other}")
@@ -246,13 +238,9 @@ def _is_frozen(case: Case, name: str) -> bool:
     return case.model == "edge" and name.endswith("pos_emb.weight")
 
 
-def _grad_bytes(case: Case) -> int:
-    return gradient_bytes(build_model(case.model, case.cfg, seed=case.seed))
-
-
 def check_communication(run, case: Case, expected_calls: int | None = None) -> None:
     """All-reduce payload per optimizer step = the gradient bytes; optionally the call count."""
-    grad = _grad_bytes(case)
+    grad = case_gradient_bytes(case)
     for rank, log in enumerate(run.comm):
         stats = log.ops.get("all_reduce")
         payload = stats.payload_bytes / case.steps if stats else 0
@@ -361,7 +349,7 @@ def check_bucketed_ddp(assign_buckets_fn, allreduce_buckets_fn) -> str:
     n_assign = _check_bucket_assignment(assign_buckets_fn, rng)
     cases = [_case(rng, "gpt"), _case(rng, "edge")]
     for case in cases:
-        total = _grad_bytes(case)
+        total = case_gradient_bytes(case)
         case.bucket_cap_bytes = rng.randint(total // 8, total // 3)
         _train_and_verify_buckets(_worker_buckets, case, assign_buckets_fn, allreduce_buckets_fn)
     return (f"{n_assign} bucket assignments; {len(cases)} training cases on {_sizes(cases)} ranks: one all-reduce "
@@ -389,7 +377,7 @@ def check_overlapped_ddp(ddp_class) -> str:
     rng = random.Random(_SEED + 3)
     cases = [_case(rng, "gpt", tied=True), _case(rng, "edge")]
     for case in cases:
-        total = _grad_bytes(case)
+        total = case_gradient_bytes(case)
         case.bucket_cap_bytes = rng.randint(total // 8, total // 4)  # at least 4 buckets
         run = _train_and_verify_buckets(_worker_ddp, case, ddp_class, train_step)
         if case.model == "gpt":
@@ -430,7 +418,7 @@ def check_gradient_accumulation(no_sync, train_accumulated) -> str:
     cases = [_case(rng, "gpt", rows=1), _case(rng, "edge", rows=1)]
     for case in cases:  # accum != world size, so a wrong factor points at one cause
         case.accum = rng.choice([a for a in (2, 3, 4) if a != case.world_size])
-        total = _grad_bytes(case)
+        total = case_gradient_bytes(case)
         case.bucket_cap_bytes = rng.randint(total // 6, total // 3)
         _train_and_verify_buckets(_worker_ddp, case, OverlappedDDP, train_accumulated)
     return (f"{len(cases)} cases on {_sizes(cases)} ranks with {'/'.join(str(c.accum) for c in cases)} micro-steps: "

@@ -28,19 +28,29 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from distlab.data_parallel import broadcast_parameters, build_model, gradient_bytes, local_batches
+from distlab.data_parallel import broadcast_parameters, build_model, local_batches
 from distlab.grading import CheckFailed, quiz
+from distlab.grading.harness import case_gradient_bytes, first_line, lab_seed, rank_seed, run_on_ranks
 from distlab.grading.lab03 import Case as _DDPCase
 from distlab.grading.lab03 import compare_with_reference
 from distlab.grading.registry import Exercise
 from distlab.memory import ActivationMeter
 from distlab.model import GPT, GPTConfig, synthetic_batch
-from distlab.zero import (Axis, FlatParam, ZeRO3, checkpoint_module, comm_per_step, comm_snapshot, full_state_dict,
-                          make_engine, mixed_precision_step, raise_if_unfinished, state_bytes, stop_at_stub)
+from distlab.runtime.launch import RankCrashed, RankFailed
+from distlab.zero import (
+    Axis,
+    FlatParam,
+    ZeRO3,
+    checkpoint_module,
+    comm_per_step,
+    comm_snapshot,
+    full_state_dict,
+    make_engine,
+    mixed_precision_step,
+    state_bytes,
+)
 
-_SEED = 4_2024
-COLLECTIVE_TIMEOUT = 10.0  # distlab's default, so the notebook's warm groups are the checkers' too
-JOB_TIMEOUT = 60.0
+_SEED = lab_seed(4)
 
 __all__ = ["EXERCISES", "Case", "check_sharded_optimizer", "check_zero2", "check_zero3", "check_mixed_precision",
            "check_checkpointing"]
@@ -78,30 +88,22 @@ def _sizes(cases) -> str:
 # ---------------------------------------------------------------- running on ranks
 
 def _launch(worker, case, *args):
-    import distlab
-    from distlab.launcher import CollectiveTimeout, RankCrashed, RankFailed
-
+    """:func:`run_on_ranks`, and this lab's own failure besides: a rank that crashed, or computed with a tensor
+    whose storage was freed, fails the check saying what frees it."""
     try:
-        return raise_if_unfinished(distlab.launch(
-            stop_at_stub, case.world_size, args=(worker, *args, case), warm=True, show_output=False, backend="gloo",
-            collective_timeout=COLLECTIVE_TIMEOUT, timeout=JOB_TIMEOUT))
-    except CollectiveTimeout as error:
-        raise CheckFailed(f"{case}: the ranks deadlocked ({str(error).splitlines()[0]}). Every rank must make the "
-                          f"same collective calls, in the same order, with tensors of the same size") from None
+        return run_on_ranks(worker, case.world_size, *args, case, what=f"your code ({case})",
+                            advice="Every rank must make the same collective calls, in the same order, with tensors "
+                                   "of the same size.")
     except RankCrashed as error:
-        raise CheckFailed(f"{case}: a rank crashed ({str(error).splitlines()[0]}): {_FREED}") from None
+        raise CheckFailed(f"{case}: a rank crashed ({first_line(error)}): {_FREED}") from None
     except RankFailed as error:
         if "storage of size 0" not in str(error):
             raise
-        raise CheckFailed(f"{case}: {str(error).splitlines()[0]}: {_FREED}") from None
+        raise CheckFailed(f"{case}: {first_line(error)}: {_FREED}") from None
 
 
 _FREED = ("writing into or computing with a tensor whose storage was freed does that — allocate flat.full's "
           "storage (alloc_storage) before the all-gather writes into it")
-
-
-def _rank_seed(case: Case, rank: int) -> int:
-    return case.seed if rank == 0 else case.seed + 1000 * rank + 1  # != rank 0: the broadcast must happen
 
 
 def _add(total: dict, step: dict) -> None:
@@ -114,7 +116,7 @@ def _add(total: dict, step: dict) -> None:
 def _train_engine(stage: int, overrides: dict, case: Case) -> dict:
     """A from-scratch stage with the student's piece; weights gathered after every step, traffic of the steps only."""
     rank, world = dist.get_rank(), dist.get_world_size()
-    module = build_model(case.model, case.cfg, seed=_rank_seed(case, rank))
+    module = build_model(case.model, case.cfg, seed=rank_seed(case.seed, rank))
     net, opt = make_engine(stage, module, "sgd", case.lr, wrap=case.wrap, bucket_cap_bytes=case.bucket_cap_bytes,
                            **overrides)
     zero3 = net if isinstance(net, ZeRO3) else None
@@ -145,13 +147,9 @@ def _wire(run) -> float:
     return sum(row["wire"] for row in run[0]["comm"].values())
 
 
-def _grad_bytes(case: Case) -> int:
-    return gradient_bytes(build_model(case.model, case.cfg, seed=case.seed))
-
-
 def _check_ddp_bytes(run, case: Case, what: str) -> None:
     """ZeRO-1/2 move what DDP moves: reduce-scatter + all-gather = one all-reduce, 2(N−1)/N·M."""
-    n, grad = case.world_size, _grad_bytes(case)
+    n, grad = case.world_size, case_gradient_bytes(case)
     ddp = 2 * (n - 1) / n * grad
     ratio = _wire(run) / ddp
     ops = ", ".join(f"{op} {row['payload']:,.0f} B" for op, row in sorted(run[0]["comm"].items()))
@@ -198,7 +196,7 @@ def _inner_optimizers(obj) -> list[torch.optim.Optimizer]:
 
 def _zero1_worker(optimizer_class, case: Case) -> dict:
     rank, world = dist.get_rank(), dist.get_world_size()
-    model = build_model(case.model, case.cfg, seed=_rank_seed(case, rank))
+    model = build_model(case.model, case.cfg, seed=rank_seed(case.seed, rank))
     broadcast_parameters(model)
     matrices, vectors = _groups(model)
     opt = optimizer_class([{"params": matrices}], torch.optim.SGD, lr=case.lr, momentum=0.9)
@@ -302,7 +300,7 @@ def check_zero2(reduce_scatter_grads) -> str:
     _check_bf16_reduction(reduce_scatter_grads, rng)
     cases = [_case(rng, "gpt", world_size=2), _case(rng, "edge", world_size=4)]
     for case in cases:
-        case.bucket_cap_bytes = rng.randint(_grad_bytes(case) // 6, _grad_bytes(case) // 3)
+        case.bucket_cap_bytes = rng.randint(case_gradient_bytes(case) // 6, case_gradient_bytes(case) // 3)
         run = _launch(_train_engine, case, 2, {"reduce_fn": reduce_scatter_grads})
         compare_with_reference(run, case)
         for rank, out in enumerate(run):
@@ -333,7 +331,7 @@ def check_zero3(unshard, reshard) -> str:
             raise CheckFailed(f"{case}: rank 0 held up to {mem['peak']:,} bytes of parameters, more than its shards "
                               f"plus the root and one block gathered ({mem['bound']:,}): free each unit after use")
         compare_with_reference(run, case)
-        n, grad = case.world_size, _grad_bytes(case)
+        n, grad = case.world_size, case_gradient_bytes(case)
         ratio = _wire(run) / (2 * (n - 1) / n * grad)
         if not 1.45 <= ratio <= 1.6:
             raise CheckFailed(f"{case}: a step sent {ratio:.2f}× DDP's bytes; ZeRO-3 sends 1.5× (every parameter "

@@ -22,8 +22,8 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from distlab.grading import CheckFailed
-from distlab.grading import quiz
+from distlab.grading import CheckFailed, quiz
+from distlab.grading.harness import assert_close, is_close, lab_seed, run_on_ranks
 from distlab.grading.registry import Exercise
 from distlab.model import Block, GPTConfig
 from distlab.tensor_parallel.communication import comm_since, comm_snapshot, tp_group, tp_rank
@@ -33,11 +33,9 @@ from distlab.tensor_parallel.layers import qkv_rows, shard_range
 __all__ = ["EXERCISES", "Case", "check_conjugate_functions", "check_parallel_linears", "check_parallel_mlp",
            "check_parallel_attention", "check_vocab_parallel", "check_sequence_parallel"]
 
-_SEED = 5_2024
+_SEED = lab_seed(5)
 WORLD = 4
-ATOL = 1e-5
-COLLECTIVE_TIMEOUT = 5.0
-JOB_TIMEOUT = 60.0
+COLLECTIVE_TIMEOUT = 5.0  # seconds: the hidden cases are tiny, so a deadlock can fail fast
 
 
 @dataclass
@@ -77,15 +75,9 @@ def _randn(shape, *seed) -> torch.Tensor:
 
 
 def _launch(worker, *args):
-    import distlab
-    from distlab.launcher import CollectiveTimeout
-
-    try:
-        return distlab.launch(worker, WORLD, args=args, warm=True, show_output=False, backend="gloo",
-                              collective_timeout=COLLECTIVE_TIMEOUT, timeout=JOB_TIMEOUT)
-    except CollectiveTimeout as error:
-        raise CheckFailed(f"the ranks deadlocked ({str(error).splitlines()[0]}): every rank of a TP group must "
-                          f"make the same collective calls, on the TP group (group=...)") from None
+    return run_on_ranks(worker, WORLD, *args, what="your code", collective_timeout=COLLECTIVE_TIMEOUT,
+                        advice="Every rank of a TP group must make the same collective calls, on the TP group "
+                               "(group=...).")
 
 
 def _stub_probe(*calls) -> None:
@@ -106,21 +98,9 @@ def _stub_probe(*calls) -> None:
 
 # ---------------------------------------------------------------- comparing
 
-def _close(got, expected) -> tuple[bool, str]:
-    if not isinstance(got, torch.Tensor):
-        return False, f"is {type(got).__name__}, not a tensor"
-    if tuple(got.shape) != tuple(expected.shape):
-        return False, f"has shape {tuple(got.shape)}, expected {tuple(expected.shape)}"
-    diff = (got.detach().double() - expected.double()).abs().max().item() if got.numel() else 0.0
-    if not diff <= ATOL:
-        return False, f"differs from the dense reference by up to {diff:.3g}"
-    return True, ""
-
-
 def _expect(case, rank: int, what: str, got, expected, hint: str = "") -> None:
-    ok, how = _close(got, expected)
-    if not ok:
-        raise CheckFailed(f"{case}, rank {rank}: {what} {how}" + (f": {hint}" if hint else ""))
+    """``what`` on ``rank`` equals the dense layer's slice (:func:`assert_close`), named like the checks beside it."""
+    assert_close(f"{case}, rank {rank}", what, got, expected, hint=hint)
 
 
 def _describe(counts: dict) -> str:
@@ -204,10 +184,10 @@ def check_conjugate_functions(f, g) -> str:
             _expect(case, rank, "f(x) in forward", out["f output"], x,
                     "f is the identity in forward (return x.view_as(x)); its all-reduce belongs to backward")
             got = out["f grad"]
-            if case.tp < WORLD and _close(got, w_world)[0]:
+            if case.tp < WORLD and is_close(got, w_world):
                 raise CheckFailed(f"{case}, rank {rank}: x.grad is the sum over all {WORLD} ranks, not over its TP "
                                   f"group of {case.tp}: pass group=group to the collective")
-            if case.tp > 1 and _close(got, own_w)[0]:
+            if case.tp > 1 and is_close(got, own_w):
                 raise CheckFailed(f"{case}, rank {rank}: x.grad after f is this rank's own gradient, not the sum over "
                                   f"its TP group: f's backward must all-reduce the incoming gradient")
             _expect(case, rank, "x.grad after f", got, w_sum, "f's backward returns the gradient summed over the group")
@@ -325,7 +305,7 @@ def check_parallel_linears(column_cls, row_cls) -> str:
             _expect(case, rank, "RowParallelLinear.weight's gradient", res["grads"]["weight"],
                     grads_row["weight"][:, cols], "a row-parallel layer keeps columns (input features) of dense.weight")
             hint = ""
-            if case.bias and _close(res["output"], y_row + (case.tp - 1) * dense_row.bias.detach())[0]:
+            if case.bias and is_close(res["output"], y_row + (case.tp - 1) * dense_row.bias.detach()):
                 hint = (f"the bias was added on each of the {case.tp} ranks before the all-reduce, so it is counted "
                         f"{case.tp} times: add it once, after the reduction")
             _expect(case, rank, "RowParallelLinear's output", res["output"], y_row, hint)

@@ -21,15 +21,27 @@ from __future__ import annotations
 import random
 
 from distlab.grading import CheckFailed, quiz
+from distlab.grading.harness import WEIGHT_ATOL, lab_seed, max_difference, run_on_ranks
+from distlab.grading.lab03 import _update_factor
 from distlab.grading.registry import Exercise
 from distlab.model import GPTConfig
-from distlab.pipeline_parallel import (ScheduleError, balanced_partition, bubble_fraction, check_partition, compute_spans,
-                                       interleaved_bubble_fraction, make_schedule, pipeline_worker, reference_states,
-                                       simulate, stage_costs, validate)
+from distlab.pipeline_parallel import (
+    ScheduleError,
+    balanced_partition,
+    bubble_fraction,
+    check_partition,
+    compute_spans,
+    interleaved_bubble_fraction,
+    make_schedule,
+    pipeline_worker,
+    reference_states,
+    simulate,
+    stage_costs,
+    validate,
+)
 
-_SEED = 6_2024
+_SEED = lab_seed(6)
 COLLECTIVE_TIMEOUT = 15.0  # a deadlocked executor fails in seconds; a busy laptop still gets headroom
-JOB_TIMEOUT = 60.0
 
 __all__ = ["EXERCISES", "check_partitions", "check_schedules", "check_interleaved", "check_executor",
            "check_zero_bubble"]
@@ -77,7 +89,8 @@ def _expect_value_error(fn, args, where: str, why: str) -> None:
 
 
 def check_partitions(even_partition, balanced_partition_fn) -> str:
-    """6.1: ``even_partition(n_layers, n_stages)`` and ``balanced_partition(costs, n_stages, first_extra, last_extra)``."""
+    """6.1: ``even_partition(n_layers, n_stages)`` and
+    ``balanced_partition(costs, n_stages, first_extra, last_extra)``."""
     rng = random.Random(_SEED + 1)
     cases = [(rng.randint(2, 40), None) for _ in range(12)] + [(7, 7), (5, 1), (10, 4), (13, 4)]
     for n_layers, n_stages in cases:
@@ -122,9 +135,11 @@ def check_partitions(even_partition, balanced_partition_fn) -> str:
             if max(stage_costs(got, costs)) <= without * (1 + 1e-9) and (first or last):
                 hint = (": your split is the best one if the embedding and the head cost nothing; add first_extra to "
                         "the first stage and last_extra to the last")
+            hint = hint or (": a greedy fill is not enough; try every cut (dynamic programming) or binary-search the "
+                            "largest cost")
             raise CheckFailed(f"{where}: your largest stage costs {max(mine):.3f} (stage costs "
                               f"{[round(c, 2) for c in mine]}), but a split whose largest stage costs {best:.3f} "
-                              f"exists{hint or ': a greedy fill is not enough; try every cut (dynamic programming) or binary-search the largest cost'}")
+                              f"exists{hint}")
         n_balanced += 1
     _expect_value_error(lambda: balanced_partition_fn([1.0, 1.0], 3, 0.0, 0.0), (), "balanced_partition(2 layers, 3 "
                         "stages)", "3 stages cannot each get a layer of 2")
@@ -255,8 +270,6 @@ def _describe(case: dict) -> str:
 
 
 def _update_hint(got, ref, before, m: int) -> str:
-    from distlab.grading.lab03 import _update_factor
-
     factor = _update_factor(got, ref, before)
     if factor is None:
         return ""
@@ -271,9 +284,6 @@ def _update_hint(got, ref, before, m: int) -> str:
 
 def check_executor(execute) -> str:
     """6.4: ``execute(actions, stages, micro_batches, p, num_stages)`` runs one rank's schedule; returns its losses."""
-    import distlab
-    from distlab.launcher import CollectiveTimeout
-
     rng = random.Random(_SEED + 4)
     cases = _executor_cases(rng)
     steps, lr = 1, 0.1
@@ -283,20 +293,17 @@ def check_executor(execute) -> str:
         batch = rows * m
         seed, data_seed = rng.randrange(1000), rng.randrange(1000)
         what = _describe(case)
-        try:
-            run = distlab.launch(pipeline_worker, p, kwargs=dict(schedule=case["schedule"], cfg=cfg, m=m, v=v,
-                                 batch_size=batch, steps=steps, lr=lr, seed=seed, data_seed=data_seed,
-                                 executor=execute), warm=True, show_output=False, backend="gloo",
-                                 collective_timeout=COLLECTIVE_TIMEOUT, timeout=JOB_TIMEOUT)
-        except CollectiveTimeout as error:
-            raise CheckFailed(f"{what}: a rank waited forever ({str(error).splitlines()[0]}): post every receive the "
-                              f"schedule lists (irecv) and wait for it only in the compute that needs it") from None
+        run = run_on_ranks(pipeline_worker, p, kwargs=dict(schedule=case["schedule"], cfg=cfg, m=m, v=v,
+                           batch_size=batch, steps=steps, lr=lr, seed=seed, data_seed=data_seed, executor=execute),
+                           what=f"your executor ({what})", collective_timeout=COLLECTIVE_TIMEOUT,
+                           advice="Post every receive the schedule lists (irecv) and wait for it only in the compute "
+                                  "that needs it.")
         ref = reference_states(cfg, steps=steps, batch_size=batch, lr=lr, seed=seed, data_seed=data_seed)
         ref_before = reference_states(cfg, steps=steps - 1, batch_size=batch, lr=lr, seed=seed, data_seed=data_seed)
         for r, out in enumerate(run):
             for name, got in out["state"].items():
-                diff = (got.double() - ref.state_dict[name].double()).abs().max().item()
-                if diff > 1e-6:
+                diff = max_difference(got, ref.state_dict[name])[0]
+                if diff > WEIGHT_ATOL:
                     hint = _update_hint(got, ref.state_dict[name], ref_before.state_dict[name], m)
                     raise CheckFailed(f"{what}: after {steps} SGD step(s) rank {r}'s {name} differs from the single-"
                                       f"process run on the whole batch by {diff:.3g}{hint}")

@@ -24,16 +24,26 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from distlab.context_parallel import (SEQ_DIM, attention_block, layout_positions, measure_work,
-                                      ring_bytes, shard, ulysses_bytes, unshard)
-from distlab.grading import CheckFailed
-from distlab.grading import quiz
+from distlab.context_parallel import (
+    SEQ_DIM,
+    attention_block,
+    hidden_transfer_tokens,
+    layout_positions,
+    measure_work,
+    ring_bytes,
+    shard,
+    ulysses_bytes,
+    unshard,
+)
+from distlab.flops import PEAK_FLOPS
+from distlab.grading import CheckFailed, quiz
+from distlab.grading.harness import ATOL, assert_close, first_line, lab_seed, max_difference, run_on_ranks
 from distlab.grading.registry import Exercise
+from distlab.memory import PRESETS, GiB, activation_bytes_per_layer
+from distlab.runtime import comm
 
-_SEED = 7_2024
-FORWARD_ATOL = 1e-5
-GRAD_ATOL = 1e-4
-JOB_TIMEOUT = 60.0
+_SEED = lab_seed(7)
+GRAD_ATOL = 1e-4  # gradients sum many more rounded terms than the forward (harness.ATOL)
 
 __all__ = ["EXERCISES", "Case", "check_online_softmax", "check_merge_and_blockwise", "check_ring_forward",
            "check_causal_ring", "check_ring_backward", "check_ulysses"]
@@ -91,27 +101,6 @@ def _reference(q, k, v, causal=False):
     return F.scaled_dot_product_attention(q, k, v, is_causal=causal), torch.logsumexp(scores, dim=-1)
 
 
-def _worst(got: torch.Tensor, expected: torch.Tensor) -> tuple[float, tuple]:
-    diff = (got.detach().double() - expected.detach().double()).abs()
-    diff = torch.where(torch.isnan(diff), torch.full_like(diff, math.inf), diff)
-    index = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape))
-    return diff.max().item(), index
-
-
-def _compare(what: str, got, expected: torch.Tensor, atol: float, where: str, hint: str = "") -> None:
-    if not isinstance(got, torch.Tensor):
-        raise CheckFailed(f"{where}: {what} should be a tensor, got {type(got).__name__}")
-    if tuple(got.shape) != tuple(expected.shape):
-        raise CheckFailed(f"{where}: {what} has shape {tuple(got.shape)}, expected {tuple(expected.shape)}")
-    both_inf = torch.isinf(got) & torch.isinf(expected) & (torch.sign(got) == torch.sign(expected))
-    diff, index = _worst(torch.where(both_inf, torch.zeros_like(got), got),
-                         torch.where(both_inf, torch.zeros_like(expected), expected))
-    if diff > atol:
-        value = got[index].item()
-        raise CheckFailed(f"{where}: {what}{list(index)} is {value:.6g}, expected {expected[index].item():.6g} "
-                          f"(max abs error {diff:.3g} > {atol:g})" + (f": {hint}" if hint else ""))
-
-
 def _pair(result, where: str):
     if not isinstance(result, (tuple, list)) or len(result) != 2:
         raise CheckFailed(f"{where}: return the pair (out, lse), got {type(result).__name__}")
@@ -122,14 +111,14 @@ def _pair(result, where: str):
 
 def _no_rescale(q, k_blocks, v_blocks):
     """The classic mistake: running max and sums, but old sums never rescaled when the max grows."""
-    m = l = acc = None
+    m = row_sum = acc = None
     for k, v in zip(k_blocks, v_blocks):
         s = torch.matmul(q, k.transpose(-2, -1)) / math.sqrt(q.shape[-1])
         m = s.amax(-1) if m is None else torch.maximum(m, s.amax(-1))
         p = torch.exp(s - m.unsqueeze(-1))
-        l = p.sum(-1) if l is None else l + p.sum(-1)
+        row_sum = p.sum(-1) if row_sum is None else row_sum + p.sum(-1)
         acc = p @ v if acc is None else acc + p @ v
-    return acc / l.unsqueeze(-1)
+    return acc / row_sum.unsqueeze(-1)
 
 
 def check_online_softmax(online_softmax_attention) -> str:
@@ -165,13 +154,13 @@ def _check_online_softmax(online_softmax_attention) -> str:
             raise CheckFailed(f"{where}: out has inf/NaN with scores up to {scores:.0f}: exp() overflows float32 "
                               f"past about 88, subtract the running max before exponentiating")
         if isinstance(out, torch.Tensor) and out.shape == expected_out.shape:
-            diff, _ = _worst(out, expected_out)
-            if diff > FORWARD_ATOL and _worst(out, _no_rescale(q, k_blocks, v_blocks))[0] <= FORWARD_ATOL:
+            diff, _ = max_difference(out, expected_out)
+            if diff > ATOL and max_difference(out, _no_rescale(q, k_blocks, v_blocks))[0] <= ATOL:
                 raise CheckFailed(f"{where}: out is off by {diff:.3g}: when a block raises the running max m, the "
                                   f"running sum l and accumulator must be multiplied by exp(m_old - m_new) first")
-        _compare("out", out, expected_out, FORWARD_ATOL, where)
-        _compare("lse", lse, expected_lse, FORWARD_ATOL * max(1.0, expected_lse.abs().max().item()), where,
-                 "lse = m + log(l), the log of the softmax denominator")
+        assert_close(where, "out", out, expected_out)
+        assert_close(where, "lse", lse, expected_lse, ATOL * max(1.0, expected_lse.abs().max().item()),
+                     "lse = m + log(l), the log of the softmax denominator")
     return f"{len(kinds)} streams of uneven blocks, a rising max and scores of several hundred: equal to SDPA"
 
 
@@ -202,11 +191,11 @@ def _check_merge(merge_partials, rng: random.Random) -> int:
                               f"such a part must get weight 0; when both are -inf the result is out = 0, lse = -inf "
                               f"(guard exp(-inf - -inf))")
         if isinstance(out, torch.Tensor) and kind == "random split" and out.shape == expected_out.shape:
-            if _worst(out, parts[0][0] + parts[1][0])[0] < 1e-6:
+            if max_difference(out, parts[0][0] + parts[1][0])[0] < 1e-6:
                 raise CheckFailed(f"{where}: out is out_a + out_b: weight each part by exp(lse_part - lse) with "
                                   f"lse = log(exp(lse_a) + exp(lse_b))")
-        _compare("out", out, expected_out, FORWARD_ATOL, where)
-        _compare("lse", lse, expected_lse, FORWARD_ATOL, where, "lse = logaddexp(lse_a, lse_b)")
+        assert_close(where, "out", out, expected_out)
+        assert_close(where, "lse", lse, expected_lse, hint="lse = logaddexp(lse_a, lse_b)")
         cases += 1
     return cases
 
@@ -233,8 +222,8 @@ def _check_merge_and_blockwise(merge_partials, blockwise_attention) -> str:
         hint = "the last block is shorter when block_size does not divide the sequence" if n % block else ""
         if causal:
             hint = hint or "key j is visible to query i when j <= i: pass the block's positions to attention_block"
-        _compare("out", out, expected_out, FORWARD_ATOL, where, hint)
-        _compare("lse", lse, expected_lse, FORWARD_ATOL, where, hint)
+        assert_close(where, "out", out, expected_out, hint=hint)
+        assert_close(where, "lse", lse, expected_lse, hint=hint)
         if causal and work.computed >= b * h * n * n:
             raise CheckFailed(f"{where}: computed {work.computed:,} scores, as many as without a mask: blocks whose "
                               f"first key comes after the last query are fully masked; skip them")
@@ -245,17 +234,9 @@ def _check_merge_and_blockwise(merge_partials, blockwise_attention) -> str:
 # ---------------------------------------------------------------- running student code on ranks
 
 def _launch(worker, world_size: int, *args):
-    import distlab
-    from distlab.launcher import CollectiveTimeout
-
-    try:
-        return distlab.launch(worker, world_size, args=args, warm=True, show_output=False, backend="gloo",
-                              timeout=JOB_TIMEOUT)
-    except CollectiveTimeout as error:
-        raise CheckFailed(
-            f"on {world_size} ranks the ranks deadlocked ({str(error).splitlines()[0]}). Post each step's send and "
-            f"receive together (dist.batch_isend_irecv, or isend and irecv before waiting on either), on every rank, "
-            f"the same number of times") from None
+    return run_on_ranks(worker, world_size, *args, what="your code",
+                        advice="Post each step's send and receive together (dist.batch_isend_irecv, or isend and "
+                               "irecv before waiting on either), on every rank, the same number of times.")
 
 
 def _shards(case: Case, count: int = 3) -> list[torch.Tensor]:
@@ -265,19 +246,17 @@ def _shards(case: Case, count: int = 3) -> list[torch.Tensor]:
 
 def _forward_worker(fn, cases, kind):
     """On a rank: the student's forward on each case's shard; output, lse and what the comm log saw."""
-    from distlab import comm
-
     results = []
     for case in cases:
         q, k, v = _shards(case)
-        events_before = len(comm.current_log().events)
+        before = comm.snapshot()
         with measure_work() as work:
             if kind == "ring":
                 result = fn(q, k, v)
             else:
                 result = fn(q, k, v, lambda r, c=case: layout_positions(c.seq_len, c.world_size, r, c.layout))
         out, lse = result if isinstance(result, (tuple, list)) and len(result) == 2 else (result, None)
-        events = comm.current_log().events[events_before:]
+        events = comm.since(before).events
         results.append({"out": out, "lse": lse, "events": [(op, size, start) for op, size, start, _ in events],
                         "computed": work.computed})
     return results
@@ -304,7 +283,7 @@ def _compare_shards(run, index: int, case: Case, name: str, expected: torch.Tens
     if got.shape != expected.shape:
         raise CheckFailed(f"{case}: the shards of {name} assemble to shape {tuple(got.shape)}, expected "
                           f"{tuple(expected.shape)}")
-    diff, where = _worst(got, expected)
+    diff, where = max_difference(got, expected)
     if diff > atol:
         raise CheckFailed(f"{case}: rank {_owner(case, where[2])}'s {name} for token {where[2]} differs from full "
                           f"attention's by {diff:.3g}: {hint(got)}")
@@ -313,7 +292,7 @@ def _compare_shards(run, index: int, case: Case, name: str, expected: torch.Tens
 def _check_values(run, index: int, case: Case, hint: str) -> None:
     expected_out, expected_lse = _reference(*case.tensors(), case.causal)
     for name, expected in (("out", expected_out), ("lse", expected_lse)):
-        _compare_shards(run, index, case, name, expected, FORWARD_ATOL,
+        _compare_shards(run, index, case, name, expected, ATOL,
                         "return (out, lse) from every rank, out [B, H, T/N, D] and lse [B, H, T/N]", lambda _: hint)
 
 
@@ -369,8 +348,8 @@ def check_ring_forward(ring_attention_forward) -> str:
         _check_values(run, 0, case, "after step i a rank holds the block of rank (rank - i) mod N; merge every "
                                     "block's (out, lse) into the running pair")
         _check_overlap(run, case)
-    return (f"N=2 and N=4: equal to SDPA on the full sequence, N-1 K/V blocks sent per rank, each transfer posted "
-            f"before the block in hand is computed")
+    return ("N=2 and N=4: equal to SDPA on the full sequence, N-1 K/V blocks sent per rank, each transfer posted "
+            "before the block in hand is computed")
 
 
 # ---------------------------------------------------------------- 7.4
@@ -433,16 +412,14 @@ def check_causal_ring(zigzag_positions, causal_ring_attention) -> str:
 # ---------------------------------------------------------------- 7.5
 
 def _backward_worker(function_class, cases):
-    from distlab import comm
-
     results = []
     for case in cases:
         q, k, v, dout = _shards(case, 4)
         q, k, v = (t.requires_grad_() for t in (q, k, v))
         out = function_class.apply(q, k, v, case.causal, case.layout)
-        events_before = len(comm.current_log().events)
+        before = comm.snapshot()
         out.backward(dout)
-        ops = sorted({event[0] for event in comm.current_log().events[events_before:]})
+        ops = sorted({event[0] for event in comm.since(before).events})
         results.append({"out": out.detach(), "dq": q.grad, "dk": k.grad, "dv": v.grad, "ops": ops})
     return results
 
@@ -463,12 +440,12 @@ def _own_queries_only(case: Case, name: str) -> torch.Tensor:
 def _gradient_hint(run, index: int, case: Case, name: str, got: torch.Tensor, expected: torch.Tensor) -> str:
     if name == "dq":
         return "dQ of this rank's queries is the sum of every block's dq"
-    if _worst(got, _own_queries_only(case, name))[0] <= GRAD_ATOL:
+    if max_difference(got, _own_queries_only(case, name))[0] <= GRAD_ATOL:
         return (f"{name} holds only the owner's own queries' share: a block's dK/dV accumulator must travel around "
                 f"the ring with it, collecting every rank's share, and come back to the block's owner")
     shards = [run[r][index][name] for r in range(case.world_size)]
     expected_shards = [shard(expected, case.world_size, r, case.layout) for r in range(case.world_size)]
-    if all(_worst(shards[r], expected_shards[(r + 1) % case.world_size])[0] <= GRAD_ATOL
+    if all(max_difference(shards[r], expected_shards[(r + 1) % case.world_size])[0] <= GRAD_ATOL
            for r in range(case.world_size)):
         return ("rank r holds the complete dK/dV of block r+1: after the N-th step send the accumulator one more "
                 "hop, home to the block's owner")
@@ -494,7 +471,7 @@ def check_ring_backward(function_class) -> str:
             got_out = _assemble(run, index, "out", case)
             if got_out is None:
                 raise CheckFailed(f"{case}: forward must return the attention output tensor")
-            _compare("out", got_out, out.detach(), FORWARD_ATOL, str(case), "forward must equal full attention")
+            assert_close(str(case), "out", got_out, out.detach(), hint="forward must equal full attention")
             for rank, result in enumerate(run):
                 others = sorted(set(result[index]["ops"]) - {"isend", "irecv"})
                 if others:
@@ -512,14 +489,12 @@ def check_ring_backward(function_class) -> str:
 # ---------------------------------------------------------------- 7.6
 
 def _ulysses_worker(fn, cases, bad_case):
-    from distlab import comm
-
     results = []
     for case in cases:
         q, k, v = _shards(case)
-        before = len(comm.current_log().events)
+        before = comm.snapshot()
         out = fn(q, k, v, case.causal)
-        events = comm.current_log().events[before:]
+        events = comm.since(before).events
         results.append({"out": out, "events": [(op, size, start) for op, size, start, _ in events]})
     q, k, v = _shards(bad_case)
     try:
@@ -528,7 +503,7 @@ def _ulysses_worker(fn, cases, bad_case):
     except NotImplementedError:
         raise
     except Exception as error:  # noqa: BLE001 - reported to the student as what went wrong
-        refused = (type(error).__name__, str(error).strip().splitlines()[0] if str(error).strip() else "")
+        refused = (type(error).__name__, first_line(error))
     return {"results": results, "refused": refused}
 
 
@@ -545,9 +520,10 @@ def check_ulysses(ulysses_attention) -> str:
                 raise CheckFailed(f"{case}: return the output shard [B, H, T/N, D] on every rank")
             expected, _ = _reference(*case.tensors(), case.causal)
             got = unshard([s.detach().float() for s in shards], "contiguous")
-            _compare("out", got, expected, FORWARD_ATOL, str(case),
-                     "after the first all-to-all a rank holds all T tokens of H/N heads, sequence chunks in rank "
-                     "order; the second all-to-all sends sequence chunk j of every head back to rank j")
+            assert_close(str(case), "out", got, expected,
+                         hint="after the first all-to-all a rank holds all T tokens of H/N heads, sequence chunks "
+                              "in rank order; the second all-to-all sends sequence chunk j of every head back to "
+                              "rank j")
             expected_bytes = ulysses_bytes(case.batch, case.heads, case.seq_len, case.head_dim, world)
             for rank, result in enumerate(run):
                 events = result["results"][index]["events"]
@@ -578,17 +554,12 @@ def _q_bytes_ratio() -> float:
 
 
 def _q_checkpointed_gib() -> float:
-    from distlab.memory import GiB, PRESETS, activation_bytes_per_layer
-
     model = PRESETS["70B"]
     per_layer = activation_bytes_per_layer(131072 // 16, 1, model.d_model, model.n_head, checkpointing=True)
     return model.n_layer * per_layer / GiB
 
 
 def _q_hidden_tokens() -> float:
-    from distlab.context_parallel import hidden_transfer_tokens
-    from distlab.flops import PEAK_FLOPS
-
     return hidden_transfer_tokens(PEAK_FLOPS["H100 SXM bf16"], 50e9, bytes_per_value=2)
 
 

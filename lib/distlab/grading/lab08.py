@@ -23,14 +23,25 @@ import torch
 import torch.distributed as dist
 
 from distlab.grading import CheckFailed, quiz
+from distlab.grading.harness import ATOL, is_close, lab_seed, max_difference, run_on_ranks
 from distlab.grading.registry import Exercise
-from distlab.moe import (DEEPSEEK_V3, all_to_all_bytes, assign_capacity, expert_capacity, imbalance,
-                         load_balancing_loss, local_expert_ids, make_experts, moe_forward, route, router_z_loss,
-                         skewed_tokens, update_expert_bias)
+from distlab.moe import (
+    DEEPSEEK_V3,
+    all_to_all_bytes,
+    assign_capacity,
+    expert_capacity,
+    imbalance,
+    load_balancing_loss,
+    local_expert_ids,
+    make_experts,
+    moe_forward,
+    route,
+    router_z_loss,
+    skewed_tokens,
+    update_expert_bias,
+)
 
-_SEED = 8_2024
-ATOL = 1e-5
-JOB_TIMEOUT = 60.0
+_SEED = lab_seed(8)
 _SMALL = 1024  # bytes of bookkeeping (split sizes) a rank may exchange besides the tokens
 
 __all__ = ["EXERCISES", "EPCase", "check_router", "check_capacity", "check_balancing_losses", "check_bias_update",
@@ -39,14 +50,6 @@ __all__ = ["EXERCISES", "EPCase", "check_router", "check_capacity", "check_balan
 
 def _generator(seed: int) -> torch.Generator:
     return torch.Generator().manual_seed(seed)
-
-
-def _max_diff(a: torch.Tensor, b: torch.Tensor) -> float:
-    return (a.detach().double() - b.detach().double()).abs().max().item() if a.numel() else 0.0
-
-
-def _close(a: torch.Tensor, b: torch.Tensor, atol: float = ATOL) -> bool:
-    return a.shape == b.shape and torch.allclose(a.detach().double(), b.detach().double(), rtol=atol, atol=atol)
 
 
 # ---------------------------------------------------------------- 8.1 router
@@ -73,10 +76,10 @@ def check_router(route_fn) -> str:
         expected = route(x, w_ref, k, bias)
         w = w_ref.detach().clone().requires_grad_(True)
         got = _as_routing(route_fn(x, w, k, bias) if with_bias else route_fn(x, w, k), where)
-        if tuple(got.probs.shape) != (T, E) or not _close(got.probs, expected.probs, 1e-6):
+        if tuple(got.probs.shape) != (T, E) or not is_close(got.probs, expected.probs, atol=1e-6, rtol=1e-6):
+            by = max_difference(got.probs, expected.probs)[0] if got.probs.shape == expected.probs.shape else "shape"
             raise CheckFailed(f"{where}: probs differ from softmax(x @ weight.T) over the experts (dim=-1) by "
-                              f"{_max_diff(got.probs, expected.probs) if got.probs.shape == expected.probs.shape else 'shape'}"
-                              f"; expected shape {(T, E)}, got {tuple(got.probs.shape)}")
+                              f"{by}; expected shape {(T, E)}, got {tuple(got.probs.shape)}")
         if tuple(got.experts.shape) != (T, k):
             raise CheckFailed(f"{where}: experts should have shape [T, k] = {(T, k)}, got {tuple(got.experts.shape)}")
         if not torch.equal(got.experts.long(), expected.experts):
@@ -89,32 +92,33 @@ def check_router(route_fn) -> str:
                 raise CheckFailed(f"{where}: the bias did not change the choice: select the top-k of probs + bias")
             t = int((got.experts.long() != expected.experts).any(-1).nonzero()[0])
             raise CheckFailed(f"{where}: token {t} went to experts {got.experts[t].tolist()}, expected "
-                              f"{expected.experts[t].tolist()} (the k largest {'probs + bias' if with_bias else 'probs'})")
-        if not _close(got.gates, expected.gates, 1e-6):
+                              f"{expected.experts[t].tolist()} "
+                              f"(the k largest {'probs + bias' if with_bias else 'probs'})")
+        if not is_close(got.gates, expected.gates, atol=1e-6, rtol=1e-6):
             raw = expected.probs.gather(-1, expected.experts)
             if k == 1 and torch.allclose(got.gates.detach(), torch.ones_like(raw)):
                 raise CheckFailed(f"{where}: with k=1 every gate came out 1.0: keep the raw probability (Switch). "
                                   f"Renormalising a single gate gives 1 and the router gets no gradient")
-            if k > 1 and _close(got.gates, raw, 1e-6):
+            if k > 1 and is_close(got.gates, raw, atol=1e-6, rtol=1e-6):
                 raise CheckFailed(f"{where}: gates are the raw probabilities: renormalise them over the k choices "
                                   f"so they sum to 1 (Mixtral)")
             if with_bias:
                 biased = (expected.probs + bias).gather(-1, expected.experts)
                 if k > 1:
                     biased = biased / biased.sum(-1, keepdim=True)
-                if _close(got.gates, biased, 1e-6):
+                if is_close(got.gates, biased, atol=1e-6, rtol=1e-6):
                     raise CheckFailed(f"{where}: the bias leaked into the gates: use probs + bias only to choose "
                                       f"experts, and gather the gates from probs")
-            raise CheckFailed(f"{where}: gates differ by up to {_max_diff(got.gates, expected.gates):.3g}")
+            raise CheckFailed(f"{where}: gates differ by up to {max_difference(got.gates, expected.gates)[0]:.3g}")
         if got.gates.grad_fn is None:
             raise CheckFailed(f"{where}: the gates carry no gradient: gather them from probs (differentiable), "
                               f"never from detached values, or the router never learns")
         cotangent = torch.randn(T, k, generator=g)
         (expected.gates * cotangent).sum().backward()
         (got.gates * cotangent).sum().backward()
-        if w.grad is None or not _close(w.grad, w_ref.grad, 1e-5):
+        if w.grad is None or not is_close(w.grad, w_ref.grad, rtol=ATOL):
             raise CheckFailed(f"{where}: the router weight's gradient through the gates differs by "
-                              f"{_max_diff(w.grad, w_ref.grad) if w.grad is not None else 'everything (None)'}")
+                              f"{max_difference(w.grad, w_ref.grad)[0] if w.grad is not None else 'everything (None)'}")
     E = 8
     x, w = torch.randn(4, 6, generator=_generator(1)), torch.randn(E, 6, generator=_generator(2))
     try:
@@ -232,7 +236,7 @@ def check_balancing_losses(balance_fn, z_loss_fn) -> str:
             raise CheckFailed(f"{where}: the loss has no gradient: P_i, the mean router probability, must stay "
                               f"differentiable")
         got.backward()
-        if logits.grad is None or not _close(logits.grad, logits_ref.grad, 1e-6):
+        if logits.grad is None or not is_close(logits.grad, logits_ref.grad, atol=1e-6, rtol=1e-6):
             raise CheckFailed(f"{where}: right value, wrong gradient: f_i are counts (no gradient); the gradient "
                               f"flows only through P_i = probs.mean(0)")
         z_ref = router_z_loss(logits_ref.detach().requires_grad_(True))
@@ -289,14 +293,14 @@ def check_bias_update(update_fn) -> str:
         got = update_fn(bias.clone(), load.clone(), rate)
         if not isinstance(got, torch.Tensor) or got.shape != bias.shape:
             raise CheckFailed(f"return the new bias, a tensor of shape [{E}], got {got!r}")
-        if _close(got, expected, 1e-7):
+        if is_close(got, expected, atol=1e-7, rtol=1e-7):
             continue
         mean = load.float().mean()
         where = f"E={E}, loads {load.tolist()} (mean {float(mean):g}), rate={rate}"
-        if _close(got, bias - rate * torch.sign(mean - load.float()), 1e-7):
+        if is_close(got, bias - rate * torch.sign(mean - load.float()), atol=1e-7, rtol=1e-7):
             raise CheckFailed(f"{where}: the step has the wrong sign: an overloaded expert (load > mean) must get a "
                               f"*lower* bias, so fewer tokens choose it")
-        if _close(got, bias + rate * (mean - load.float()), 1e-7):
+        if is_close(got, bias + rate * (mean - load.float()), atol=1e-7, rtol=1e-7):
             raise CheckFailed(f"{where}: the step is proportional to the error; DeepSeek-V3 moves every bias by a "
                               f"fixed rate in the direction of sign(mean load - load)")
         e = int((got - expected).abs().argmax())
@@ -343,7 +347,7 @@ def check_moe_layer(moe_fn) -> str:
         if not isinstance(got, torch.Tensor) or tuple(got.shape) != (T, d):
             raise CheckFailed(f"{where}: return the layer output, shape [T, d] = {(T, d)}, got "
                               f"{tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__}")
-        if not _close(got, expected):
+        if not is_close(got, expected, rtol=ATOL):
             raise CheckFailed(f"{where}: {_diagnose_layer(got, expected, x, w, k, cf, shared, i, result)}")
         cotangent = torch.randn(T, d, generator=_generator(_SEED + 70 + i))
         (expected * cotangent).sum().backward()
@@ -352,9 +356,9 @@ def check_moe_layer(moe_fn) -> str:
         names += [f"shared.{name}" for name, _ in shared_expert.named_parameters()] if shared else []
         for name, a, b in zip(names, _grads(x_in, w_in, experts, shared_expert), _grads(x_ref, w_ref, ref_experts,
                                                                                       ref_shared)):
-            if not _close(a, b):
-                raise CheckFailed(f"{where}: the gradient of {name} differs by up to {_max_diff(a, b):.3g}: the "
-                                  f"output matches, so something is detached (the gates? the expert outputs?)")
+            if not is_close(a, b, rtol=ATOL):
+                raise CheckFailed(f"{where}: the gradient of {name} differs by up to {max_difference(a, b)[0]:.3g}: "
+                                  f"the output matches, so something is detached (the gates? the expert outputs?)")
     return f"{len(cases)} cases: k = 1-3, capacity limits with drops, shared expert; output and every gradient"
 
 
@@ -364,10 +368,10 @@ def _diagnose_layer(got, expected, x, w, k, cf, shared, i, result) -> str:
         variants = {"no capacity limit": moe_forward(x, w, experts, k, None, shared_expert)[0],
                     "no shared expert": moe_forward(x, w, experts, k, cf, None)[0]}
     got = got.detach()
-    if cf is not None and _close(got, variants["no capacity limit"]):
+    if cf is not None and is_close(got, variants["no capacity limit"], rtol=ATOL):
         return (f"every assignment was computed, but capacity is {result.capacity} per expert and "
                 f"{result.dropped} assignments are over it: drop them (their tokens keep only the residual)")
-    if shared and _close(got, variants["no shared expert"]):
+    if shared and is_close(got, variants["no shared expert"], rtol=ATOL):
         return "the output lacks the shared expert: add shared(x) for every token"
     rows = (got - expected).abs().amax(-1)
     t = int(rows.argmax())
@@ -445,23 +449,10 @@ def _reference(case: EPCase) -> tuple[list[dict], torch.Tensor, torch.nn.ModuleL
     return out, w.grad, experts
 
 
-def _launch_ep(ep_fn, case: EPCase):
-    import distlab
-    from distlab.launcher import CollectiveTimeout
-
-    try:
-        return distlab.launch(_ep_worker, case.world_size, args=(ep_fn, case), warm=True, show_output=False,
-                              backend="gloo", timeout=JOB_TIMEOUT)
-    except CollectiveTimeout as error:
-        raise CheckFailed(
-            f"{case}: the ranks deadlocked ({str(error).splitlines()[0]}). Every rank must make the same "
-            f"all-to-all calls in the same order — also a rank with no token to send or receive") from None
-
-
 def _compare_ep(run, case: EPCase) -> None:
     reference, w_grad, experts = _reference(case)
     for rank, (got, ref) in enumerate(zip(run, reference)):
-        if not _close(got["y"], ref["y"]):
+        if not is_close(got["y"], ref["y"], rtol=ATOL):
             rows = (got["y"] - ref["y"]).abs().amax(-1)
             t = int(rows.argmax())
             chosen = ref["result"].routing.experts[t].tolist()
@@ -472,22 +463,22 @@ def _compare_ep(run, case: EPCase) -> None:
                     ": its experts live on this rank, so check the regrouping by local expert and the gates")
             raise CheckFailed(f"{case}: rank {rank}'s output for token {t} (experts {chosen}, on ranks {owners}) "
                               f"differs from the single-device layer by {float(rows[t]):.3g}{hint}")
-        if got["x_grad"] is None or not _close(got["x_grad"], ref["x_grad"]):
-            raise CheckFailed(f"{case}: rank {rank}'s gradient of x differs from the single-device layer by "
-                              f"{_max_diff(got['x_grad'], ref['x_grad']) if got['x_grad'] is not None else 'all'}: "
+        if got["x_grad"] is None or not is_close(got["x_grad"], ref["x_grad"], rtol=ATOL):
+            by = max_difference(got["x_grad"], ref["x_grad"])[0] if got["x_grad"] is not None else "all"
+            raise CheckFailed(f"{case}: rank {rank}'s gradient of x differs from the single-device layer by {by}: "
                               f"send the tokens with distlab.moe.all_to_all (differentiable) so gradients travel "
                               f"back to the rank each token came from")
     router_grad = sum(r["w_grad"] for r in run)
-    if not _close(router_grad, w_grad):
+    if not is_close(router_grad, w_grad, rtol=ATOL):
         raise CheckFailed(f"{case}: the router's gradient (summed over ranks) differs by "
-                          f"{_max_diff(router_grad, w_grad):.3g}: keep the gates in the autograd graph")
+                          f"{max_difference(router_grad, w_grad)[0]:.3g}: keep the gates in the autograd graph")
     for rank, got in enumerate(run):
         for i, grads in got["expert_grads"].items():
             for (name, p), g in zip(experts[i].named_parameters(), grads):
-                if g is None or not _close(g, p.grad):
+                if g is None or not is_close(g, p.grad, rtol=ATOL):
                     raise CheckFailed(
                         f"{case}: expert {i}'s {name} gradient on rank {rank} (its owner) differs from the single-"
-                        f"device layer by {_max_diff(g, p.grad) if g is not None else 'all (None)'}: it must "
+                        f"device layer by {max_difference(g, p.grad)[0] if g is not None else 'all (None)'}: it must "
                         f"collect the gradients of every rank's tokens, which come back through the combine's "
                         f"backward all-to-all")
 
@@ -519,7 +510,9 @@ def check_expert_parallel(ep_fn) -> str:
              EPCase(4, 4, 1, [16, 12, 20, 8], all_to_one=True, seed=_SEED + 83),
              EPCase(4, 8, 3, [14, 1, 22, 17], capacity_factor=1.25, seed=_SEED + 84)]
     for case in cases:
-        run = _launch_ep(ep_fn, case)
+        run = run_on_ranks(_ep_worker, case.world_size, ep_fn, case, what=f"your expert-parallel layer ({case})",
+                           advice="Every rank must make the same all-to-all calls in the same order — also a rank "
+                                  "with no token to send or receive.")
         _compare_ep(run, case)
         _check_traffic(run, case)
     return (f"{len(cases)} cases on 2/4 ranks (uneven tokens, capacity drops, a rank that receives nothing): "

@@ -27,20 +27,23 @@ import torch
 import torch.nn as nn
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from distlab.fp8.formats import FORMATS, Format, bit_fields as bits, decode, encode
+from distlab.flops import PEAK_FLOPS
+from distlab.fp8.formats import FORMATS, Format, decode, encode
+from distlab.fp8.formats import bit_fields as bits
 from distlab.fp8.linear import Float8Linear
 from distlab.fp8.matmul import MULTIPLE, emulated_scaled_mm, scaled_mm_support
 from distlab.fp8.scaling import DelayedScaling, dequantize, expand_scale, quantize
 from distlab.fp8.training import final_loss, train_recipe
-from distlab.flops import PEAK_FLOPS
 from distlab.grading import CheckFailed
+from distlab.grading.harness import lab_seed
 from distlab.grading.quiz import choice, number
 from distlab.grading.registry import Exercise
+from distlab.model import GPTConfig
 
 __all__ = ["EXERCISES", "check_codes", "check_loss_scaler", "check_scaling", "check_fp8_matmul",
            "check_float8_linear"]
 
-_SEED = 9_2024
+_SEED = lab_seed(9)
 
 
 # ---------------------------------------------------------------- 9.1
@@ -189,10 +192,10 @@ def check_loss_scaler(scaler_class) -> str:
             if got["after"] != want["after"]:
                 raise CheckFailed(f"{where}: after step {step} ({kind}) the scale is {got['after']:g}, GradScaler's is "
                                   f"{want['after']:g}: " + (
-                                      f"multiply it by backoff_factor after an overflow and restart the count"
+                                      "multiply it by backoff_factor after an overflow and restart the count"
                                       if want["bad"] else
-                                      f"grow it by growth_factor only after growth_interval consecutive clean steps, "
-                                      f"then restart the count"))
+                                      "grow it by growth_factor only after growth_interval consecutive clean steps, "
+                                      "then restart the count"))
             diff = max(float((a - b).abs().max()) for a, b in zip(got["params"], want["params"]))
             if diff > 1e-6:
                 factor = _update_ratio(ours, ref, step)
@@ -465,8 +468,6 @@ def _gradient_hint(name: str, got, x, weight, grad_out) -> str:
 
 
 def _train_gpt(student_class) -> str:
-    from distlab.model import GPTConfig
-
     cfg = GPTConfig(vocab_size=64, seq_len=16, n_layer=1, n_head=2, d_model=32)
     mine = train_recipe("fp8", cfg, steps=3, batch_size=4,
                         linear_factory=lambda linear, path: student_class.from_linear(linear))

@@ -20,7 +20,7 @@ from distlab.grading.registry import Exercise
 
 def _quality_cases(rng: random.Random) -> list[tuple[str, str]]:
     """(name, text): typical pages plus texts on both sides of every threshold."""
-    from distlab.data import samples
+    from distlab.data import samples  # noqa: PLC0415  loads datasketch and warcio
 
     def words(n, extra=()):
         body = ["the", "and"] + [rng.choice(samples.NOUNS) for _ in range(n - 2 - len(extra))] + list(extra)
@@ -51,7 +51,7 @@ def _quality_cases(rng: random.Random) -> list[tuple[str, str]]:
 
 
 def check_quality(passes_quality) -> str:
-    from distlab.data.quality import gopher_quality_failure
+    from distlab.data.quality import gopher_quality_failure  # noqa: PLC0415  loads datasketch and warcio
 
     rng = random.Random()
     cases = _quality_cases(rng) + _quality_cases(rng)
@@ -66,7 +66,7 @@ def check_quality(passes_quality) -> str:
 
 
 def _pii_cases(rng: random.Random) -> list[tuple[str, str]]:
-    from distlab.data import samples
+    from distlab.data import samples  # noqa: PLC0415  loads datasketch and warcio
 
     card = samples.card_number(rng)
     bad_card = card[:-1] + str((int(card[-1]) + 1) % 10)
@@ -91,13 +91,13 @@ def _pii_cases(rng: random.Random) -> list[tuple[str, str]]:
 
 def _luhn_complete(digits: str) -> str:
     """``digits`` with the check digit that makes it pass Luhn."""
-    from distlab.data.pii import luhn_valid
+    from distlab.data.pii import luhn_valid  # noqa: PLC0415  loads datasketch and warcio
 
     return next(digits + str(d) for d in range(10) if luhn_valid(digits + str(d)))
 
 
 def check_pii(scrub_pii) -> str:
-    from distlab.data.pii import scrub_pii as reference
+    from distlab.data.pii import scrub_pii as reference  # noqa: PLC0415  loads datasketch and warcio
 
     rng = random.Random()
     cases = _pii_cases(rng)
@@ -115,7 +115,7 @@ def check_pii(scrub_pii) -> str:
 
 
 def check_deduper(deduper_class) -> str:
-    from distlab.data.samples import dedup_scores, near_duplicate_set
+    from distlab.data.samples import dedup_scores, near_duplicate_set  # noqa: PLC0415  loads datasketch and warcio
 
     seed = random.randrange(1 << 30)
     docs, truth = near_duplicate_set(n_pairs=120, n_singletons=40, seed=seed, words=200)
@@ -129,8 +129,8 @@ def check_deduper(deduper_class) -> str:
                           "(is_duplicate should be False for a document with no earlier near-copy)")
     if scores["recall"] < 0.85:
         raise CheckFailed(f"recall {scores['recall']:.2f} < 0.85: only {scores['correct']} of "
-                          f"{scores['true_duplicates']} pairs with Jaccard >= 0.85 were flagged (check the bands x rows "
-                          "of the LSH, the 5-word shingles, and that kept documents are inserted)")
+                          f"{scores['true_duplicates']} pairs with Jaccard >= 0.85 were flagged (check the bands x "
+                          "rows of the LSH, the 5-word shingles, and that kept documents are inserted)")
     if scores["precision"] < 0.85:
         raise CheckFailed(f"precision {scores['precision']:.2f} < 0.85: {scores['flagged'] - scores['correct']} of "
                           f"{scores['flagged']} flagged documents are not near-duplicates (verify candidates by "
@@ -141,10 +141,11 @@ def check_deduper(deduper_class) -> str:
 def _line_dedup_corpus(rng: random.Random) -> tuple[list[str], int]:
     """Pages of a few sites: shared banners (some in just enough documents, some one short), a line
     repeated inside one page, whitespace around lines, blank lines, non-ASCII text."""
-    from distlab.data import samples
+    from distlab.data import samples  # noqa: PLC0415  loads datasketch and warcio
 
     min_documents = rng.choice([2, 3, 4])
-    banners = [f"Banner {n}: {samples.prose_sentence(rng)}" for n in range(6)] + ["© 2024 Café Müller — mentions légales"]
+    banners = [f"Banner {n}: {samples.prose_sentence(rng)}" for n in range(6)]
+    banners += ["© 2024 Café Müller — mentions légales"]
     reach = {banner: rng.choice([min_documents - 1, min_documents, min_documents + 2]) for banner in banners}
     pages = [[samples.prose_sentence(rng) for _ in range(rng.randint(2, 5))] for _ in range(rng.randint(12, 20))]
     for banner, count in reach.items():
@@ -158,7 +159,8 @@ def _line_dedup_corpus(rng: random.Random) -> tuple[list[str], int]:
 
 
 def check_line_dedup(remove_repeated_lines) -> str:
-    from distlab.data.line_dedup import document_frequencies, remove_repeated_lines as reference
+    from distlab.data.line_dedup import document_frequencies  # noqa: PLC0415  loads datasketch and warcio
+    from distlab.data.line_dedup import remove_repeated_lines as reference  # noqa: PLC0415  loads datasketch and warcio
 
     rng = random.Random()
     for case in range(3):
@@ -205,8 +207,9 @@ def _line_dedup_hint(text: str, want: str, have: str, frequencies, texts: list[s
 
 
 def check_token_writer(tokenize_to_bin) -> str:
-    from distlab.data.samples import prose
-    from distlab.data.shards import read_shard, tokenize_to_bin as reference
+    from distlab.data.samples import prose  # noqa: PLC0415  loads datasketch and warcio
+    from distlab.data.shards import read_shard  # noqa: PLC0415  loads datasketch and warcio
+    from distlab.data.shards import tokenize_to_bin as reference  # noqa: PLC0415  loads datasketch and warcio
 
     rng = random.Random()
     docs = [prose(rng, rng.randint(5, 80)) for _ in range(rng.randint(3, 7))]

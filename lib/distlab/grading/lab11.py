@@ -1,16 +1,16 @@
 """Lab 11 — 3D parallelism. Checkers for the grid, the data-parallel axis of a 3D run, and MFU.
 
 * 11.1 ``grid_groups(world, dp, pp, tp)``: every group of every axis, compared group by group and
-  rank by rank with :meth:`distlab.mesh.Grid.groups` on hidden grids; a world size that is not
+  rank by rank with :meth:`distlab.parallel3d.grid.Grid.groups` on hidden grids; a world size that is not
   ``dp·pp·tp`` must raise ``ValueError``.
-* 11.2 ``sync_gradients(params, dp_group, dp)``: plugged into :func:`distlab.mesh.parallel3d_worker`
+* 11.2 ``sync_gradients(params, dp_group, dp)``: plugged into :func:`distlab.parallel3d.grid.parallel3d_worker`
   on 8 real ranks (DP × PP × TP = 2 × 2 × 2, a hidden model and seed), every rank's shards
   compared with a single-process run; a wrong update is reported with its factor.
 * 11.3 ``model_flops_utilization(...)``: hidden shapes against :func:`distlab.model.training_flops_per_token`
   and :func:`distlab.flops.mfu`, with the usual slips named (no attention term, forward only,
   one GPU's peak for the whole cluster).
 * 11.4 ``predicted_bytes(cfg, dp, pp, tp, m, micro_batch)``: the TP and PP bytes the busiest rank of
-  a 3D run sends per step, against :func:`distlab.planner.bytes_per_axis` (which equals the comm
+  a 3D run sends per step, against :func:`distlab.parallel3d.planner.bytes_per_axis` (which equals the comm
   log of real runs, tests/test_mesh.py) on hidden shapes; a missing piece is named.
 """
 
@@ -21,21 +21,27 @@ import random
 
 from distlab.flops import mfu
 from distlab.grading import CheckFailed, quiz
-from distlab.grading.lab00 import raise_if_untouched
+from distlab.grading.harness import ATOL, LONG_JOB_TIMEOUT, lab_seed, raise_if_untouched, run_on_ranks
 from distlab.grading.registry import Exercise
 from distlab.memory import PRESETS
-from distlab.mesh import Grid, compare_with_reference, parallel3d_worker, reference_run
 from distlab.model import GPT, GPTConfig, training_flops_per_token
+from distlab.parallel3d.grid import Grid, compare_with_reference, parallel3d_worker, reference_run
+from distlab.parallel3d.planner import (
+    Layout,
+    ModelShape,
+    bytes_per_axis,
+    gradient_all_reduce_seconds,
+    h100_cluster,
+    run_cost,
+)
 from distlab.pipeline_parallel import bubble_fraction
-from distlab.planner import Layout, ModelShape, bytes_per_axis, gradient_all_reduce_seconds, h100_cluster, run_cost
+from distlab.tensor_parallel import shard_of
 
 __all__ = ["EXERCISES", "QUIZ", "check_grid_groups", "check_sync_gradients", "check_mfu", "check_predicted_bytes",
            "COLLECTIVE_TIMEOUT"]
 
-_SEED = 11_2024
+_SEED = lab_seed(11)
 COLLECTIVE_TIMEOUT = 30.0  # seconds: 8 ranks on 2 busy cores are slow; a deadlock still ends
-JOB_TIMEOUT = 120.0
-ATOL = 1e-5
 
 
 # ---------------------------------------------------------------- 11.1
@@ -81,27 +87,17 @@ def check_grid_groups(grid_groups) -> str:
 # ---------------------------------------------------------------- 11.2
 
 def _launch_3d(cfg: GPTConfig, grid: Grid, batch: int, seed: int, grad_sync) -> list[dict]:
-    import distlab
-    from distlab.launcher import CollectiveTimeout, RankFailed, UnmatchedCommunication
-
-    try:
-        run = distlab.launch(parallel3d_worker, grid.world, args=(cfg, grid.dp, grid.pp, grid.tp),
-                             kwargs=dict(m=2, batch_size=batch, steps=1, seed=seed, data_seed=seed,
-                                         grad_sync=grad_sync),
-                             warm=True, show_output=False, collective_timeout=COLLECTIVE_TIMEOUT, timeout=JOB_TIMEOUT)
-    except (CollectiveTimeout, UnmatchedCommunication, RankFailed) as error:
-        if isinstance(error, RankFailed) and "CollectiveMismatch" not in str(error):
-            raise
-        raise CheckFailed(f"the ranks did not make matching calls ({str(error).splitlines()[0][:160]}…): reduce "
-                          f"over the DP group only (group=dp_group) — ranks of other axes hold other "
-                          f"tensors") from None
+    """On the 8 warm ranks the notebook's cells start (backend ``"auto"``, :data:`COLLECTIVE_TIMEOUT`)."""
+    run = run_on_ranks(parallel3d_worker, grid.world, cfg, grid.dp, grid.pp, grid.tp,
+                       kwargs=dict(m=2, batch_size=batch, steps=1, seed=seed, data_seed=seed, grad_sync=grad_sync),
+                       what="your sync_gradients", backend="auto", collective_timeout=COLLECTIVE_TIMEOUT,
+                       timeout=LONG_JOB_TIMEOUT,
+                       advice="Reduce over the DP group only (group=dp_group): ranks of other axes hold other tensors.")
     return list(run)
 
 
 def check_sync_gradients(sync_gradients) -> str:
     """11.2: ``sync_gradients(params, dp_group, dp)`` averages gradients over the DP axis of a 2 × 2 × 2 run."""
-    from distlab.tensor_parallel import shard_of
-
     raise_if_untouched(sync_gradients)
     rng = random.Random(_SEED + 2)
     n_head = rng.choice([2, 4])

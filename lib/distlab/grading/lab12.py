@@ -31,21 +31,19 @@ from distlab.fault_tolerance.checkpoint import checkpoint_path, read_checkpoint
 from distlab.fault_tolerance.faults import Fault, flip_bit
 from distlab.fault_tolerance.guards import SpikeGuard, guarded_train
 from distlab.fault_tolerance.resume import resumable_train, run_with_restarts
-from distlab.grading import CheckFailed
-from distlab.grading import quiz
+from distlab.grading import CheckFailed, quiz
+from distlab.grading.harness import JOB_TIMEOUT, lab_seed, max_difference
 from distlab.grading.registry import Exercise
 from distlab.model import GPT, GPTConfig
+from distlab.runtime.launch import Ranks
 
-_SEED = 12_2024
-JOB_TIMEOUT = 60.0
+_SEED = lab_seed(12)
 
 __all__ = ["EXERCISES", "check_resumable_training", "check_sdc_detector", "check_spike_guard",
            "check_checkpoint_cadence"]
 
 
 def _ranks(world: int):
-    from distlab.launcher import Ranks
-
     return Ranks.shared(world)  # the notebook's warm groups: no rank start per check
 
 
@@ -102,7 +100,7 @@ def _compare_checkpoints(mine: dict, reference: dict, where: str) -> None:
             a, b = mine[key], reference[key]
             same = torch.equal(a, b) if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) else a == b
             if not same:
-                detail = (f"by up to {(a.double() - b.double()).abs().max().item():.3g}"
+                detail = (f"by up to {max_difference(a, b)[0]:.3g}"
                           if isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor) and a.shape == b.shape
                           else f"({a!r} instead of {b!r})")
                 raise CheckFailed(f"{where}: {key} ({what}) differs from the uninterrupted run's {detail}: save "

@@ -19,7 +19,7 @@ import torch.nn as nn
 
 from distlab.model import MLP, GPTConfig, _mix
 from distlab.moe.routing import Routing, assign_capacity, expert_capacity, load_balancing_loss, route, router_z_loss
-from distlab.timeline import span
+from distlab.runtime.timeline import span
 
 __all__ = ["make_experts", "DispatchPlan", "dispatch_plan", "run_experts", "combine", "MoEResult", "moe_forward",
            "check_expert_parallel", "local_expert_ids", "all_to_all", "exchange_counts", "expert_parallel_forward",

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from distlab.comm import WIRE_BYTES
+from distlab.runtime.comm import WIRE_BYTES
 
 __all__ = ["all_to_all_bytes", "MoEShape", "DEEPSEEK_V3"]
 
@@ -18,7 +18,7 @@ def all_to_all_bytes(tokens: int, k: int, d_model: int, world_size: int, bytes_p
     Each of ``tokens`` sends its hidden state (``d_model`` values) once per chosen expert:
     ``payload = tokens · k · d_model · bytes`` per all-to-all. Dispatch and combine move
     the same amount; backward repeats both. With uniform routing ``(N−1)/N`` of it leaves the
-    rank (:data:`distlab.comm.WIRE_BYTES`, the model distlab's comm log uses).
+    rank (:data:`distlab.runtime.comm.WIRE_BYTES`, the model distlab's comm log uses).
     """
     payload = tokens * k * d_model * bytes_per_value
     calls = 4 if backward else 2
@@ -51,7 +51,8 @@ class MoEShape:
     def attention_params(self) -> int:
         """Multi-head latent attention: low-rank query and key/value projections, per layer."""
         d, h = self.d_model, self.n_head
-        q = d * self.q_lora_rank + self.q_lora_rank + self.q_lora_rank * h * (self.qk_nope_head_dim + self.qk_rope_head_dim)
+        q = (d * self.q_lora_rank + self.q_lora_rank
+             + self.q_lora_rank * h * (self.qk_nope_head_dim + self.qk_rope_head_dim))
         kv = (d * (self.kv_lora_rank + self.qk_rope_head_dim) + self.kv_lora_rank
               + self.kv_lora_rank * h * (self.qk_nope_head_dim + self.v_head_dim))
         return q + kv + h * self.v_head_dim * d

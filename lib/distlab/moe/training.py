@@ -15,11 +15,14 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
+from distlab.data_parallel import allreduce_buckets, local_batches
 from distlab.model import GPT, GPTConfig, _mix
 from distlab.moe.layer import MoEConfig, MoELayer
-from distlab.moe.routing import update_expert_bias
+from distlab.moe.routing import imbalance, update_expert_bias
 from distlab.reference import make_optimizer
-from distlab.timeline import span
+from distlab.runtime import comm
+from distlab.runtime.rank import device
+from distlab.runtime.timeline import span
 
 __all__ = ["MoEGPT", "sync_gradients", "global_loads", "train_moe", "merge_expert_states", "train_moe_reference",
            "train"]
@@ -65,8 +68,6 @@ def sync_gradients(model: MoEGPT) -> None:
     """Expert parallelism inside data parallelism: replicated parameters are averaged over the
     ranks (one bucket); an expert's gradient already sums every rank's tokens (they came to
     it through the all-to-all), so it is only divided by N — the global loss is the ranks' mean."""
-    from distlab.data_parallel import allreduce_buckets
-
     allreduce_buckets([model.replicated_parameters()])
     world = dist.get_world_size()
     for p in model.expert_parameters():
@@ -98,9 +99,6 @@ def train_moe(steps: int = 20, balancing: str | None = None, cfg: GPTConfig | No
     bias update they drive. Returns the global mean losses (cross-entropy, before each
     update), the loads per step ``[steps][layers][E]`` and the dropped assignments.
     """
-    from distlab.data_parallel import local_batches
-    from distlab.rank import device
-
     steps = int(steps)
     cfg, moe = _train_config(cfg, moe, balancing)
     rank, world, dev = dist.get_rank(), dist.get_world_size(), device()
@@ -157,8 +155,6 @@ def train_moe_reference(steps: int = 20, balancing: str | None = None, cfg: GPTC
     """:func:`train_moe` in one process with every expert: each step runs the ``world_size``
     ranks' slices one after another (capacity is per slice, as on the ranks), averages their
     losses and takes one step. Returns losses, loads and the final ``state`` (all experts)."""
-    from distlab.data_parallel import local_batches
-
     cfg, moe = _train_config(cfg, moe, balancing)
     model = MoEGPT(cfg, moe, seed=seed, expert_parallel=False)
     opt = make_optimizer(model.parameters(), optimizer, lr=lr)
@@ -193,19 +189,15 @@ def train(steps: int = 20, balancing: str = "bias", num_experts: int = 8, k: int
     rank's summary: first and last loss, the busiest expert's load over the mean at the last
     step, the share of assignments dropped, and the all-to-all payload per step.
     """
-    from distlab import comm
-    from distlab.moe.routing import imbalance
-
     world = dist.get_world_size()
     cfg = GPTConfig(vocab_size=int(vocab_size), seq_len=int(seq_len), n_layer=int(n_layer), n_head=int(n_head),
                     d_model=int(d_model))
     moe = MoEConfig(num_experts=int(num_experts), k=int(k), capacity_factor=capacity_factor, balancing=balancing)
-    before = comm.current_log().ops.get("all_to_all_single")
-    payload_before = before.payload_bytes if before else 0
+    before = comm.snapshot()
     out = train_moe(int(steps), cfg=cfg, moe=moe, batch_size=int(batch_size) * world, lr=float(lr), seed=int(seed))
-    after = comm.current_log().ops.get("all_to_all_single")
+    all_to_all = comm.since(before).total("payload_bytes", "all_to_all")
     return {"rank": out["rank"], "world_size": world, "balancing": balancing,
             "loss_first": round(out["losses"][0], 4), "loss_last": round(out["losses"][-1], 4),
             "busiest_over_mean": round(imbalance(out["loads"][-1]), 3),
             "dropped_share": round(sum(out["dropped"]) / (len(out["dropped"]) * out["assignments_per_step"]), 4),
-            "all_to_all_bytes_per_step": ((after.payload_bytes if after else 0) - payload_before) / int(steps)}
+            "all_to_all_bytes_per_step": all_to_all / int(steps)}

@@ -17,23 +17,70 @@ measured timeline with the simulation and with ``(p-1)/(m+p-1)``.
 
 Under torchrun::
 
-    torchrun --nproc-per-node=4 -m distlab.torchrun distlab.pipeline_parallel:train steps=20 schedule=1f1b microbatches=8
+    torchrun --nproc-per-node=4 -m distlab.torchrun distlab.pipeline_parallel:train \
+        steps=20 schedule=1f1b microbatches=8
 """
 
-from distlab.pipeline_parallel.executor import (Channels, SavedActivations, StageModule, StepStats, build_stages,
-                                                channels, lm_loss, run_schedule, split_microbatches,
-                                                sync_tied_gradients)
-from distlab.pipeline_parallel.measure import (PHASE_COLORS, Bubble, StepsBubble, compute_spans, measured_bubble,
-                                               plot_pipeline, step_spans, steps_bubble)
-from distlab.pipeline_parallel.partition import (LayerCosts, balanced_partition, check_partition, even_partition,
-                                                 measure_layer_costs, stage_costs)
-from distlab.pipeline_parallel.schedules import (COMMUNICATION, COMPUTE, SCHEDULES, Action, ScheduleError,
-                                                 Simulation, bubble_fraction, compute_order, format_schedule, gpipe,
-                                                 interleaved_1f1b, interleaved_bubble_fraction, make_schedule,
-                                                 num_stages_of, one_f_one_b, peak_in_flight, simulate, validate,
-                                                 with_p2p, zero_bubble_h1)
-from distlab.pipeline_parallel.train import (check_setup, keep_freed_memory, pipeline_worker, reference_states,
-                                             torch_pipelining_worker, train)
+from distlab.pipeline_parallel.executor import (
+    Channels,
+    SavedActivations,
+    StageModule,
+    StepStats,
+    build_stages,
+    channels,
+    lm_loss,
+    run_schedule,
+    split_microbatches,
+    sync_tied_gradients,
+)
+from distlab.pipeline_parallel.measure import (
+    PHASE_COLORS,
+    Bubble,
+    StepsBubble,
+    compute_spans,
+    measured_bubble,
+    plot_pipeline,
+    step_spans,
+    steps_bubble,
+)
+from distlab.pipeline_parallel.partition import (
+    LayerCosts,
+    balanced_partition,
+    check_partition,
+    even_partition,
+    measure_layer_costs,
+    stage_costs,
+)
+from distlab.pipeline_parallel.schedules import (
+    COMMUNICATION,
+    COMPUTE,
+    SCHEDULES,
+    Action,
+    ScheduleError,
+    Simulation,
+    bubble_fraction,
+    compute_order,
+    format_schedule,
+    gpipe,
+    interleaved_1f1b,
+    interleaved_bubble_fraction,
+    make_schedule,
+    num_stages_of,
+    one_f_one_b,
+    peak_in_flight,
+    simulate,
+    validate,
+    with_p2p,
+    zero_bubble_h1,
+)
+from distlab.pipeline_parallel.train import (
+    check_setup,
+    keep_freed_memory,
+    pipeline_worker,
+    reference_states,
+    torch_pipelining_worker,
+    train,
+)
 
 __all__ = [
     "Action", "COMPUTE", "COMMUNICATION", "ScheduleError", "bubble_fraction", "interleaved_bubble_fraction",

@@ -3,12 +3,13 @@
 * :class:`StageModule` — a slice of the lab's GPT (blocks ``layers``, plus the embeddings on
   the first stage and ``ln_f`` + ``lm_head`` on the last), with the GPT's own parameter
   names, so its ``state_dict`` compares key by key with a single-process model.
-* :class:`Channels` — one process group per direction between two ranks. A rank posts
-  sends and receives without waiting (``isend``/``irecv``: a blocking ``recv`` costs about
-  five times more on gloo); only a compute waits, for its own input. With a group per
-  direction, a message never queues behind one going the other way — under NCCL a
-  group's point-to-point ops run in order on one stream, so sharing one group between
-  the activations going forward and the gradients coming back could deadlock 1F1B.
+* :class:`Channels` — one process group per direction between two neighbouring ranks of a
+  pipeline (lab 11's 3D grid uses it for each of its pipelines). A rank posts sends and
+  receives without waiting (``isend``/``irecv``: a blocking ``recv`` costs about five times
+  more on gloo); only a compute waits, for its own input. With a group per direction, a
+  message never queues behind one going the other way — under NCCL a group's
+  point-to-point ops run in order on one stream, so sharing one group between the
+  activations going forward and the gradients coming back could deadlock 1F1B.
 * :func:`run_schedule` — executes one rank's actions for one optimizer step: forwards
   keep their input and output for the backward, the last stage's loss is divided by
   the number of micro-batches so the accumulated gradient is the full-batch mean, and
@@ -29,10 +30,10 @@ import torch.nn.functional as F
 
 from distlab.memory import _storage_key_and_bytes
 from distlab.model import GPT, GPTConfig
-from distlab.timeline import span
-
 from distlab.pipeline_parallel.partition import check_partition
 from distlab.pipeline_parallel.schedules import COMMUNICATION, Action
+from distlab.runtime.subgroups import subgroup
+from distlab.runtime.timeline import span
 
 __all__ = ["StageModule", "build_stages", "lm_loss", "Channels", "channels", "SavedActivations", "StepStats",
            "run_schedule", "sync_tied_gradients", "split_microbatches"]
@@ -94,36 +95,38 @@ def split_microbatches(x: torch.Tensor, y: torch.Tensor, m: int) -> list[tuple[t
 # ---------------------------------------------------------------- point-to-point
 
 class Channels:
-    """A process group for each direction between neighbouring ranks, built once per process.
+    """A process group for each direction between neighbouring ranks of this rank's pipeline.
 
-    ``new_group`` is collective (every rank calls it, in the same order), so all ranks
-    create the channels of the whole ring up front.
+    Peers are addressed by pipeline rank (stage index mod ``p``), which ``pipeline`` maps to
+    global ranks. ``pipelines``: the global ranks of every pipeline of the job, ``p`` each
+    (default: one pipeline, ranks ``0 … p-1``; a 3D grid has one per DP and TP coordinate).
+    ``new_group`` is collective, so every rank asks for the channels of every pipeline, in the
+    same order, and keeps its own; the groups are made once per process (warm ranks reuse them).
     """
 
-    def __init__(self, p: int):
-        self.p = p
-        self.rank = dist.get_rank()
+    def __init__(self, p: int, pipelines: Sequence[Sequence[int]] | None = None):
+        self.p, me = p, dist.get_rank()
         self.groups: dict[tuple[int, int], object] = {}
         pairs = sorted({(a, (a + d) % p) for a in range(p) for d in (1, -1) if (a + d) % p != a})
-        for src, dst in pairs:
-            self.groups[(src, dst)] = dist.new_group([src, dst])
+        for pipeline in [list(ranks) for ranks in pipelines or [range(p)]]:
+            ours = me in pipeline
+            if ours:
+                self.pipeline, self.rank = pipeline, pipeline.index(me)
+            for src, dst in pairs:
+                made = subgroup([pipeline[src], pipeline[dst]], purpose=f"channel {pipeline[src]}->{pipeline[dst]}")
+                if ours:
+                    self.groups[(src, dst)] = made
 
     def send(self, tensor: torch.Tensor, dst: int):
-        return dist.isend(tensor.contiguous(), dst, group=self.groups[(self.rank, dst)])
+        return dist.isend(tensor.contiguous(), self.pipeline[dst], group=self.groups[(self.rank, dst)])
 
     def recv(self, buffer: torch.Tensor, src: int):
-        return dist.irecv(buffer, src, group=self.groups[(src, self.rank)])
-
-
-_CHANNELS: dict[tuple, Channels] = {}
+        return dist.irecv(buffer, self.pipeline[src], group=self.groups[(src, self.rank)])
 
 
 def channels(p: int) -> Channels:
-    """This process's :class:`Channels` for a ``p``-rank pipeline (cached: warm ranks reuse them)."""
-    key = (p, dist.get_world_size(), dist.get_backend(), id(dist.group.WORLD))
-    if key not in _CHANNELS:
-        _CHANNELS[key] = Channels(p)
-    return _CHANNELS[key]
+    """This process's :class:`Channels` for one ``p``-rank pipeline over ranks ``0 … p-1``."""
+    return Channels(p)
 
 
 # ---------------------------------------------------------------- memory

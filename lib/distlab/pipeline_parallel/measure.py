@@ -19,7 +19,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Sequence
 
-from distlab.timeline import Span, idle_fraction
+from distlab.runtime.timeline import Span, idle_fraction
 
 __all__ = ["PHASE_COLORS", "compute_spans", "step_spans", "Bubble", "measured_bubble", "StepsBubble", "steps_bubble",
            "plot_pipeline"]
@@ -65,7 +65,7 @@ class Bubble:
 def measured_bubble(spans: Sequence[Span], ranks: int | None = None) -> Bubble:
     """Idle share of every rank between the first and the last compute span of any rank.
 
-    Uses :func:`distlab.timeline.idle_fraction` on each rank's compute spans plus two
+    Uses :func:`distlab.runtime.timeline.idle_fraction` on each rank's compute spans plus two
     zero-length marks at the common window's ends (so "the rank's wall time" is the
     pipeline's, not the rank's own).
     """
@@ -112,8 +112,8 @@ def plot_pipeline(spans: Sequence[Span], ax=None, title: str | None = None, unit
     Each bar is labelled with its micro-batch (``3``, or ``3.1`` for micro-batch 3 on the
     rank's second virtual stage). ``unit="slots"`` for simulated timelines in unit time.
     """
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
+    import matplotlib.pyplot as plt  # noqa: PLC0415  matplotlib is heavy and only the plot needs it
+    from matplotlib.patches import Patch  # noqa: PLC0415  matplotlib is heavy and only the plot needs it
 
     work = compute_spans(spans)
     ranks = sorted({s.rank for s in work})

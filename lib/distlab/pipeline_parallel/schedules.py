@@ -25,6 +25,8 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
+from distlab.runtime.timeline import Span
+
 __all__ = [
     "Action", "COMPUTE", "COMMUNICATION", "ScheduleError", "bubble_fraction", "interleaved_bubble_fraction",
     "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble_h1", "SCHEDULES", "make_schedule", "with_p2p",
@@ -374,7 +376,7 @@ class Simulation:
     p: int
     m: int
     v: int
-    spans: list = field(default_factory=list)  # distlab.timeline.Span, one per compute action
+    spans: list = field(default_factory=list)  # distlab.runtime.timeline.Span, one per compute action
     makespan: float = 0.0
     busy: list[float] = field(default_factory=list)  # compute time per rank
     peak_in_flight: list[float] = field(default_factory=list)  # per rank, in whole-rank micro-batches
@@ -394,10 +396,9 @@ def simulate(schedule: Sequence[Sequence[Action]], m: int | None = None, v: int 
     arrived, which is once both the send and the receive are posted and every earlier
     message on the same channel (one per direction between two ranks) has arrived. Costs
     are per stage, so an interleaved rank's stage costs ``1/v`` of its whole-rank work; give
-    one cost per rank (measured ones, say) to replay unequal stages. Raises :class:`ScheduleError` when no rank can move (a deadlock), saying where each waits.
+    one cost per rank (measured ones, say) to replay unequal stages. Raises :class:`ScheduleError`
+    when no rank can move (a deadlock), saying where each waits.
     """
-    from distlab.timeline import Span
-
     p = len(schedule)
     m = m if m is not None else 1 + max((a.microbatch for ops in schedule for a in ops), default=0)
     fwd = [float(forward_cost)] * p if isinstance(forward_cost, (int, float)) else [float(c) for c in forward_cost]

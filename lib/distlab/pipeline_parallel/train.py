@@ -2,12 +2,15 @@
 single-process reference, PyTorch's ``torch.distributed.pipelining`` on the same stages,
 and the torchrun entry point.
 
-    torchrun --nproc-per-node=4 -m distlab.torchrun distlab.pipeline_parallel:train steps=20 schedule=1f1b microbatches=8
+    torchrun --nproc-per-node=4 -m distlab.torchrun distlab.pipeline_parallel:train \
+        steps=20 schedule=1f1b microbatches=8
 """
 
 from __future__ import annotations
 
+import ctypes
 import statistics
+import sys
 import time
 from typing import Callable, Sequence
 
@@ -15,15 +18,24 @@ import torch
 import torch.distributed as dist
 
 from distlab.model import GPTConfig, synthetic_batch
-from distlab.reference import make_optimizer, train_reference
-from distlab.timeline import span
-
-from distlab.pipeline_parallel.executor import (SavedActivations, StepStats, build_stages, lm_loss, run_schedule,
-                                                split_microbatches, sync_tied_gradients)
+from distlab.pipeline_parallel.executor import (
+    SavedActivations,
+    StepStats,
+    build_stages,
+    lm_loss,
+    run_schedule,
+    split_microbatches,
+    sync_tied_gradients,
+)
 from distlab.pipeline_parallel.partition import even_partition
-from distlab.pipeline_parallel.schedules import Action, SCHEDULES, make_schedule
+from distlab.pipeline_parallel.schedules import SCHEDULES, Action, make_schedule
+from distlab.reference import make_optimizer, train_reference
+from distlab.runtime.rank import device as rank_device
+from distlab.runtime.timeline import span
 
-__all__ = ["check_setup", "keep_freed_memory", "pipeline_worker", "reference_states", "torch_pipelining_worker", "train"]
+__all__ = [
+    "check_setup", "keep_freed_memory", "pipeline_worker", "reference_states", "torch_pipelining_worker", "train",
+]
 
 
 def check_setup(p: int, m: int, n_layer: int, batch_size: int, schedule: str | Sequence = "1f1b", v: int = 1) -> None:
@@ -55,9 +67,6 @@ def keep_freed_memory() -> bool:
     Keeping freed memory (as the CUDA caching allocator does on GPUs) makes stage
     times steady. glibc only (Linux); elsewhere a no-op that returns False.
     """
-    import ctypes
-    import sys
-
     if not sys.platform.startswith("linux"):
         return False
     try:
@@ -94,8 +103,6 @@ def pipeline_worker(schedule: str | Sequence[Sequence[Action]] = "1f1b", cfg: GP
     ``peak_in_flight``, ``peak_activation_bytes`` (with ``track_memory``), ``sent_bytes``
     per step and ``state`` (this rank's parameters after training).
     """
-    from distlab.rank import device as rank_device
-
     cfg = cfg or GPTConfig()
     p, rank = dist.get_world_size(), dist.get_rank()
     batch_size = batch_size or m
@@ -157,9 +164,11 @@ def torch_pipelining_worker(schedule: str = "1f1b", cfg: GPTConfig | None = None
     first; returns both losses, the largest gradient difference between the copies and
     both step times (after ``warmup``). No optimizer step: the gradients are compared.
     """
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
-
-    from distlab.rank import device as rank_device
+    from torch.distributed.pipelining import (  # noqa: PLC0415  heavy, and only this comparison needs it
+        PipelineStage,
+        Schedule1F1B,
+        ScheduleGPipe,
+    )
 
     cfg = cfg or GPTConfig()
     if schedule not in ("gpipe", "1f1b"):
@@ -232,8 +241,6 @@ def train(steps: int = 20, schedule: str = "1f1b", microbatches: int = 8, virtua
     rank's summary: its stages and layers, the loss before and after (from the last stage),
     the median step time, tokens/s and the bytes it sent to its neighbours per step.
     """
-    from distlab.rank import device as rank_device
-
     steps, microbatches, virtual, rows = int(steps), int(microbatches), int(virtual), int(rows)
     cfg = GPTConfig(vocab_size=int(vocab_size), seq_len=int(seq_len), n_layer=int(n_layer), n_head=int(n_head),
                     d_model=int(d_model), tied_embeddings=False)

@@ -28,13 +28,14 @@ import torch
 import torch.distributed as dist
 import torch.nn.functional as F
 
-from distlab import comm
+from distlab.runtime import comm
+from distlab.runtime.subgroups import own_subgroup
 
 __all__ = [
     "tp_size", "tp_rank", "tp_group", "copy_to_tp", "reduce_from_tp", "gather_from_tp", "gather_sequence",
     "reduce_scatter_sequence", "all_gather_linear", "all_gather_sequence", "reduce_scatter_along_sequence",
     "CopyToTensorParallel", "ReduceFromTensorParallel", "GatherFromTensorParallel", "GatherSequence",
-    "ReduceScatterSequence", "AllGatherLinear", "collective_counts", "comm_snapshot", "comm_since", "COLLECTIVE_KINDS",
+    "ReduceScatterSequence", "AllGatherLinear", "comm_snapshot", "comm_since",
 ]
 
 
@@ -46,23 +47,18 @@ def tp_rank(group=None) -> int:
     return dist.get_rank(group) if dist.is_initialized() else 0
 
 
-_GROUPS: dict[tuple[int, int], list] = {}
-
-
 def tp_group(tp: int):
     """This rank's TP group when the world is cut into ``world/tp`` groups of consecutive ranks.
 
-    ``tp == world`` is the default group (``None``). Otherwise every rank creates every group
-    (``new_group`` is collective) once per process; a warm rank reuses them between jobs.
+    ``tp == world`` is the default group (``None``). Otherwise every rank must call this (the groups
+    are made on first use, and ``new_group`` is collective); a warm rank reuses them between jobs.
     """
-    world, rank = dist.get_world_size(), dist.get_rank()
+    world = dist.get_world_size()
     if world % tp:
         raise ValueError(f"world size {world} is not divisible by tp={tp}")
     if tp == world:
         return None
-    if (world, tp) not in _GROUPS:
-        _GROUPS[(world, tp)] = [dist.new_group(list(range(start, start + tp))) for start in range(0, world, tp)]
-    return _GROUPS[(world, tp)][rank // tp]
+    return own_subgroup(range(start, start + tp) for start in range(0, world, tp))
 
 
 # ---------------------------------------------------------------- raw collectives along a dimension
@@ -260,36 +256,11 @@ def all_gather_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor 
 
 # ---------------------------------------------------------------- reading the comm log
 
-COLLECTIVE_KINDS = {  # name in distlab's comm log -> the collective it is
-    "all_reduce": "all_reduce", "functional_all_reduce": "all_reduce",
-    "all_gather": "all_gather", "all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather",
-    "functional_all_gather": "all_gather",
-    "reduce_scatter": "reduce_scatter", "reduce_scatter_tensor": "reduce_scatter",
-    "reduce_scatter_single": "reduce_scatter", "functional_reduce_scatter": "reduce_scatter",
-}
+comm_snapshot = comm.snapshot  # this rank's counts now, for :func:`comm_since`
+_TP_COLLECTIVES = ("all_reduce", "all_gather", "reduce_scatter")  # what a TP edge may issue
 
 
-def collective_counts(ops: dict) -> dict[str, tuple[int, int]]:
-    """``{kind: (calls, payload bytes)}`` from a comm log's ``ops``, under one name per collective
-    whichever API issued it (``all_gather_into_tensor``, ``all_gather_single``, DTensor's …)."""
-    counts: dict[str, tuple[int, int]] = {}
-    for name, stats in ops.items():
-        kind = COLLECTIVE_KINDS.get(name)
-        if kind is None:
-            continue
-        calls, payload = counts.get(kind, (0, 0))
-        counts[kind] = (calls + stats.calls, payload + stats.payload_bytes)
-    return counts
-
-
-def comm_snapshot() -> dict[str, tuple[int, int]]:
-    """This rank's collectives so far: ``{kind: (calls, payload bytes)}``."""
-    return collective_counts(comm.current_log().ops)
-
-
-def comm_since(before: dict[str, tuple[int, int]]) -> dict[str, tuple[int, int]]:
-    """The collectives issued since ``before`` (a :func:`comm_snapshot`)."""
-    now = comm_snapshot()
-    diff = {kind: (calls - before.get(kind, (0, 0))[0], payload - before.get(kind, (0, 0))[1])
-            for kind, (calls, payload) in now.items()}
-    return {kind: value for kind, value in diff.items() if value[0]}
+def comm_since(before: comm.Snapshot) -> dict[str, tuple[int, int]]:
+    """The TP collectives issued since ``before`` (a :func:`comm_snapshot`): ``{kind: (calls, payload bytes)}``,
+    one kind per collective whichever API issued it (``all_gather_into_tensor``, DTensor's …)."""
+    return {op: (c.calls, c.payload_bytes) for op, c in comm.since(before).ops.items() if op in _TP_COLLECTIVES}

@@ -15,6 +15,8 @@ import copy
 
 import torch
 import torch.nn as nn
+from torch.distributed.tensor import Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel, parallelize_module
 
 from distlab.model import Block, CausalSelfAttention
 from distlab.tensor_parallel.layers import qkv_rows
@@ -36,9 +38,6 @@ def qkv_for_colwise(attn: CausalSelfAttention, tp: int) -> CausalSelfAttention:
 
 def tp_plan(kind: str, sequence_parallel: bool = False) -> dict:
     """The ``parallelize_module`` plan for ``"mlp"``, ``"attention"`` or a whole ``"block"``."""
-    from torch.distributed.tensor import Shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
-
     if kind == "mlp":
         return {"fc": ColwiseParallel(), "proj": RowwiseParallel()}
     if kind == "attention":
@@ -56,8 +55,6 @@ def tp_plan(kind: str, sequence_parallel: bool = False) -> dict:
 
 def parallelize(module: nn.Module, mesh, kind: str, sequence_parallel: bool = False) -> nn.Module:
     """A TP copy of ``module`` (an MLP, a CausalSelfAttention or a Block) made by ``parallelize_module``."""
-    from torch.distributed.tensor.parallel import parallelize_module
-
     tp = mesh.size()
     module = copy.deepcopy(module)
     if isinstance(module, CausalSelfAttention):

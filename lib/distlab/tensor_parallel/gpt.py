@@ -26,9 +26,16 @@ import torch.nn as nn
 
 from distlab.model import GPT, Block, GPTConfig
 from distlab.tensor_parallel.communication import tp_rank, tp_size
-from distlab.tensor_parallel.layers import (ColumnParallelLinear, TensorParallelAttention, TensorParallelMLP,
-                                            VocabParallelEmbedding, column_parallel_linear, qkv_rows, shard_range,
-                                            vocab_parallel_cross_entropy)
+from distlab.tensor_parallel.layers import (
+    ColumnParallelLinear,
+    TensorParallelAttention,
+    TensorParallelMLP,
+    VocabParallelEmbedding,
+    column_parallel_linear,
+    qkv_rows,
+    shard_range,
+    vocab_parallel_cross_entropy,
+)
 
 __all__ = ["check_tp_sizes", "is_replicated", "shard_of", "shard_state", "TensorParallelBlock", "TensorParallelGPT"]
 

@@ -25,9 +25,16 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
-from distlab.model import CausalSelfAttention, MLP
-from distlab.tensor_parallel.communication import (all_gather_linear, copy_to_tp, gather_from_tp, reduce_from_tp,
-                                                   reduce_scatter_sequence, tp_rank, tp_size)
+from distlab.model import MLP, CausalSelfAttention
+from distlab.tensor_parallel.communication import (
+    all_gather_linear,
+    copy_to_tp,
+    gather_from_tp,
+    reduce_from_tp,
+    reduce_scatter_sequence,
+    tp_rank,
+    tp_size,
+)
 
 __all__ = ["shard_range", "qkv_rows", "ColumnParallelLinear", "RowParallelLinear", "TensorParallelMLP",
            "TensorParallelAttention", "VocabParallelEmbedding", "vocab_parallel_cross_entropy",

@@ -20,20 +20,21 @@ import time
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
 from distlab.memory import ActivationMeter
 from distlab.model import GPT, GPTConfig, synthetic_batch
 from distlab.reference import make_optimizer
+from distlab.runtime.rank import device
+from distlab.runtime.timeline import span
 from distlab.tensor_parallel.communication import comm_since, comm_snapshot, tp_group, tp_rank
-from distlab.tensor_parallel.gpt import TensorParallelGPT, check_tp_sizes
-from distlab.timeline import span
+from distlab.tensor_parallel.gpt import TensorParallelBlock, TensorParallelGPT, check_tp_sizes, is_replicated, shard_of
+from distlab.tensor_parallel.layers import TensorParallelAttention, TensorParallelMLP, qkv_rows, shard_range
 
 __all__ = ["tp_step", "train_worker", "choose_precision", "dtensor_step", "train"]
 
 
 def _device() -> torch.device:
-    from distlab.rank import device
-
     return device()
 
 
@@ -137,12 +138,9 @@ def dtensor_step(cfg: GPTConfig, kind: str, tp: int, sequence_parallel: bool = F
     Returns, for ``"ours"`` and ``"dtensor"``: the largest difference from the dense module's
     output, input gradient and parameter gradients, and the collectives of forward and backward.
     """
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.tensor import DTensor
+    from torch.distributed.tensor import DTensor  # noqa: PLC0415  DTensor is heavy and only dtensor_step needs it
 
-    from distlab.tensor_parallel.dtensor import parallelize
-    from distlab.tensor_parallel.gpt import TensorParallelBlock, is_replicated, shard_of
-    from distlab.tensor_parallel.layers import TensorParallelAttention, TensorParallelMLP, shard_range
+    from distlab.tensor_parallel.dtensor import parallelize  # noqa: PLC0415  loads DTensor; only dtensor_step needs it
 
     if tp != dist.get_world_size():
         raise ValueError(f"dtensor_step runs one TP group over the whole world: tp={tp}, world={dist.get_world_size()}")
@@ -192,8 +190,6 @@ def dtensor_step(cfg: GPTConfig, kind: str, tp: int, sequence_parallel: bool = F
 
 
 def _undo_rank_major(rank_major: torch.Tensor, cfg: GPTConfig, tp: int) -> torch.Tensor:
-    from distlab.tensor_parallel.layers import qkv_rows
-
     order = torch.cat([qkv_rows(cfg.d_model, cfg.n_head, tp, r) for r in range(tp)]).to(rank_major.device)
     restored = torch.empty_like(rank_major)
     restored[order] = rank_major

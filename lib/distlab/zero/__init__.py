@@ -26,20 +26,39 @@ ZeRO-3     + parameters (FSDP)                    16/N               1.5 (2 all-
     torchrun --nproc-per-node=8 -m distlab.torchrun distlab.zero:train stage=3 steps=20
 """
 
-from distlab.zero.flat import (ALL_GATHER_OPS, REDUCE_SCATTER_OPS, Axis, FlatLayout, FlatParam, alloc_storage,
-                               free_storage, gather_flat, mesh_axes, reduce_scatter_mean)
+from distlab.zero.flat import (
+    Axis,
+    FlatLayout,
+    FlatParam,
+    alloc_storage,
+    free_storage,
+    gather_flat,
+    mesh_axes,
+    reduce_scatter_mean,
+)
 from distlab.zero.fsdp import FSDPUnit, ZeRO3, assign_params, checkpoint_module, plan_units, reshard, unshard
 from distlab.zero.optim import ShardedOptimizer, mixed_precision_step
-from distlab.zero.train import (STAGES, WRAP_POLICIES, Unfinished, comm_per_step, comm_snapshot, compute_dtype,
-                                full_state_dict, make_engine, peak_memory, raise_if_unfinished, run_exercise,
-                                state_bytes, stop_at_stub, train, train_worker, validate)
+from distlab.zero.train import (
+    STAGES,
+    WRAP_POLICIES,
+    comm_per_step,
+    comm_snapshot,
+    compute_dtype,
+    full_state_dict,
+    make_engine,
+    peak_memory,
+    run_exercise,
+    state_bytes,
+    train,
+    train_worker,
+    validate,
+)
 from distlab.zero.zero2 import ZeRO2, reduce_scatter_grads
 
 __all__ = [
-    "ALL_GATHER_OPS", "REDUCE_SCATTER_OPS", "Axis", "FlatLayout", "FlatParam", "alloc_storage", "free_storage",
+    "Axis", "FlatLayout", "FlatParam", "alloc_storage", "free_storage",
     "gather_flat", "mesh_axes", "reduce_scatter_mean", "FSDPUnit", "ZeRO3", "assign_params", "checkpoint_module",
     "plan_units", "reshard", "unshard", "ShardedOptimizer", "mixed_precision_step", "STAGES", "WRAP_POLICIES",
     "comm_per_step", "comm_snapshot", "compute_dtype", "full_state_dict", "make_engine", "peak_memory",
-    "state_bytes", "train", "train_worker", "validate", "ZeRO2", "reduce_scatter_grads", "Unfinished",
-    "stop_at_stub", "raise_if_unfinished", "run_exercise",
+    "state_bytes", "train", "train_worker", "validate", "ZeRO2", "reduce_scatter_grads", "run_exercise",
 ]

@@ -33,14 +33,10 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-__all__ = ["Axis", "mesh_axes", "check_shard_size", "FlatLayout", "FlatParam", "flat_params_of", "alloc_storage",
-           "free_storage", "gather_flat", "reduce_scatter_mean", "unique_params", "ALL_GATHER_OPS",
-           "REDUCE_SCATTER_OPS"]
+from distlab.runtime.subgroups import own_subgroup
 
-# distlab.comm names an op by the Python function called; torch 2.13 renamed the tensor
-# collectives, and FSDP2 calls the new names. Count both.
-ALL_GATHER_OPS = ("all_gather_into_tensor", "all_gather_single")
-REDUCE_SCATTER_OPS = ("reduce_scatter_tensor", "reduce_scatter_single")
+__all__ = ["Axis", "mesh_axes", "check_shard_size", "FlatLayout", "FlatParam", "flat_params_of", "alloc_storage",
+           "free_storage", "gather_flat", "reduce_scatter_mean", "unique_params"]
 
 
 # ---------------------------------------------------------------- the device mesh
@@ -72,7 +68,7 @@ def mesh_axes(shard_size: int | None = None) -> tuple[Axis, Axis]:
     Ranks ``k·S … (k+1)·S − 1`` form shard group ``k`` (a "node": neighbouring ranks, fast
     links); ranks with the same ``r mod S`` form a replicate group (one per node, slow
     links). ``shard_size=None`` or the world size is plain ZeRO/FSDP, 1 is DDP. Every rank
-    must call this, in the same order (``new_group`` is collective).
+    must call this, in the same order (the groups are made on first use, and ``new_group`` is collective).
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     shard_size = world if shard_size is None else shard_size
@@ -81,16 +77,10 @@ def mesh_axes(shard_size: int | None = None) -> tuple[Axis, Axis]:
         return Axis.world(), Axis.single()
     if shard_size == 1:
         return Axis.single(), Axis.world()
-    shard = replicate = None
-    for k in range(world // shard_size):  # every rank creates every group, members or not
-        group = dist.new_group(list(range(k * shard_size, (k + 1) * shard_size)))
-        if rank // shard_size == k:
-            shard = Axis(group, shard_size, rank % shard_size)
-    for j in range(shard_size):
-        group = dist.new_group(list(range(j, world, shard_size)))
-        if rank % shard_size == j:
-            replicate = Axis(group, world // shard_size, rank // shard_size)
-    return shard, replicate
+    shard = own_subgroup(range(k * shard_size, (k + 1) * shard_size) for k in range(world // shard_size))
+    replicate = own_subgroup(range(j, world, shard_size) for j in range(shard_size))
+    return (Axis(shard, shard_size, rank % shard_size),
+            Axis(replicate, world // shard_size, rank // shard_size))
 
 
 def check_shard_size(world_size: int, shard_size: int) -> None:

@@ -35,7 +35,7 @@ import torch.nn as nn
 from torch.utils.checkpoint import checkpoint
 
 from distlab.data_parallel import broadcast_parameters
-from distlab.timeline import span
+from distlab.runtime.timeline import span
 from distlab.zero.flat import Axis, FlatParam, alloc_storage, free_storage, gather_flat
 from distlab.zero.optim import ShardedOptimizer
 from distlab.zero.zero2 import queue_after_backward, reduce_scatter_grads

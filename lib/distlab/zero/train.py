@@ -19,23 +19,29 @@ from typing import Callable
 import torch
 import torch.distributed as dist
 import torch.nn as nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.nn.parallel import DistributedDataParallel
 
-from distlab import comm
-from distlab.data_parallel import (DEFAULT_BUCKET_CAP_BYTES, _require_process_group, broadcast_parameters, build_model,
-                                   local_batches)
+from distlab.data_parallel import (
+    DEFAULT_BUCKET_CAP_BYTES,
+    _require_process_group,
+    broadcast_parameters,
+    build_model,
+    local_batches,
+)
 from distlab.memory import tensor_bytes
 from distlab.model import Block, GPTConfig
 from distlab.reference import make_optimizer
-from distlab.timeline import span
-from distlab.zero.flat import (ALL_GATHER_OPS, REDUCE_SCATTER_OPS, Axis, check_shard_size, flat_params_of, gather_flat,
-                               mesh_axes)
+from distlab.runtime import comm
+from distlab.runtime.rank import device as rank_device
+from distlab.runtime.timeline import span
+from distlab.zero.flat import Axis, check_shard_size, flat_params_of, gather_flat, mesh_axes
 from distlab.zero.fsdp import ZeRO3, checkpoint_module, plan_units
 from distlab.zero.optim import ShardedOptimizer
 from distlab.zero.zero2 import ZeRO2
 
 __all__ = ["STAGES", "WRAP_POLICIES", "compute_dtype", "validate", "make_engine", "state_bytes", "full_state_dict",
-           "comm_snapshot", "comm_per_step", "peak_memory", "train_worker", "train", "Unfinished", "stop_at_stub",
-           "raise_if_unfinished", "run_exercise"]
+           "comm_snapshot", "comm_per_step", "peak_memory", "train_worker", "train", "run_exercise"]
 
 STAGES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
 WRAP_POLICIES = {"block": (Block,), "model": ()}  # one unit per transformer block, or one for the whole model
@@ -123,12 +129,14 @@ def _torch_engine(stage: int, module: nn.Module, optimizer: str, lr: float, dtyp
     options = {"lr": lr, "weight_decay": 0.0}
     optimizer_class = {"sgd": torch.optim.SGD, "adamw": torch.optim.AdamW}[optimizer]
     if stage == 1:
-        from torch.distributed.optim import ZeroRedundancyOptimizer
-        from torch.nn.parallel import DistributedDataParallel
+        from torch.distributed.optim import ZeroRedundancyOptimizer  # noqa: PLC0415  heavy; only impl='torch' needs it
 
         model = DistributedDataParallel(module)  # broadcasts rank 0's weights
         return model, ZeroRedundancyOptimizer(module.parameters(), optimizer_class, **options)
-    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
+    from torch.distributed.fsdp import (  # noqa: PLC0415  heavy, and only impl='torch' (FSDP2) needs it
+        MixedPrecisionPolicy,
+        fully_shard,
+    )
 
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
     mesh = _device_mesh(shard_size)
@@ -144,8 +152,6 @@ _meshes: dict = {}
 
 def _device_mesh(shard_size: int | None):
     """FSDP2's mesh, made once per rank process: 1-D, or (replicate, shard) for HSDP."""
-    from torch.distributed.device_mesh import init_device_mesh
-
     world = dist.get_world_size()
     shard_size = shard_size or world
     if shard_size not in _meshes:
@@ -199,25 +205,15 @@ def full_state_dict(module: nn.Module) -> dict[str, torch.Tensor]:
     return out
 
 
-def comm_snapshot() -> dict[str, tuple[int, int, float]]:
-    """This rank's communication totals so far: op → (calls, payload bytes, sent bytes)."""
-    return {op: (s.calls, s.payload_bytes, s.wire_bytes) for op, s in comm.current_log().ops.items()}
+comm_snapshot = comm.snapshot  # this rank's counts now, for :func:`comm_per_step`
 
 
-def comm_per_step(before: dict, after: dict, steps: int) -> dict[str, dict[str, float]]:
-    """Per-step calls, payload and sent bytes between two snapshots, with torch's two names for the
-    tensor all-gather / reduce-scatter merged into ``all_gather`` / ``reduce_scatter``."""
-    merged: dict[str, dict[str, float]] = {}
-    for op, (calls, payload, wire) in after.items():
-        c0, p0, w0 = before.get(op, (0, 0, 0.0))
-        if op == "barrier" or calls == c0:
-            continue
-        name = "all_gather" if op in ALL_GATHER_OPS else "reduce_scatter" if op in REDUCE_SCATTER_OPS else op
-        row = merged.setdefault(name, {"calls": 0.0, "payload": 0.0, "wire": 0.0})
-        row["calls"] += (calls - c0) / steps
-        row["payload"] += (payload - p0) / steps
-        row["wire"] += (wire - w0) / steps
-    return merged
+def comm_per_step(before: comm.Snapshot, after: comm.Snapshot, steps: int) -> dict[str, dict[str, float]]:
+    """Calls, payload and sent bytes per step of each collective between two :func:`comm_snapshot` s
+    (canonical names: ``all_gather`` whichever torch function gathered); the step barriers are left out."""
+    traffic = comm.since(before, after)
+    return {op: {"calls": c.calls / steps, "payload": c.payload_bytes / steps, "wire": c.wire_bytes / steps}
+            for op, c in traffic.ops.items() if op != "barrier"}
 
 
 def peak_memory(step: Callable[[], None], *tracked) -> tuple[int, str]:
@@ -235,7 +231,7 @@ def peak_memory(step: Callable[[], None], *tracked) -> tuple[int, str]:
         step()
         torch.cuda.synchronize(device)
         return torch.cuda.max_memory_allocated(device), "torch.cuda.max_memory_allocated"
-    from torch.distributed._tools.mem_tracker import MemTracker
+    from torch.distributed._tools.mem_tracker import MemTracker  # noqa: PLC0415  heavy, and only the CPU path needs it
 
     tracker = MemTracker()
     tracker.track_external(*tracked)
@@ -274,9 +270,7 @@ def train_worker(stage: int = 3, impl: str = "scratch", cfg: GPTConfig | None = 
     validate(dist.get_world_size(), stage, impl, cfg, batch_size, wrap, shard_size, dtype, model)
     cfg = cfg or GPTConfig()
     rank, world = dist.get_rank(), dist.get_world_size()
-    from distlab.rank import device
-
-    dev = device()
+    dev = rank_device()
     same_seed = impl == "torch" and stage == 3
     module = build_model(model, cfg, seed=seed if rank == 0 or same_seed else seed + 1000 * rank + 1).to(dev)
     if checkpointing:
@@ -367,31 +361,11 @@ def train(steps: int = 20, stage: int = 3, impl: str = "scratch", batch_size: in
 
 # ---------------------------------------------------------------- exercises on warm ranks
 
-class Unfinished(str):
-    """What a rank returns instead of raising when it reached an exercise's stub (the stub's message)."""
-
-
-def stop_at_stub(fn: Callable, *args, **kwargs):
-    """Run ``fn`` on this rank; an unfinished exercise's ``NotImplementedError`` comes back as :class:`Unfinished`.
-
-    A job that raises ends the launcher's warm group, and restarting ranks costs seconds; every rank
-    reaches the same stub at the same point, before any collective, so returning is safe.
-    """
-    try:
-        return fn(*args, **kwargs)
-    except NotImplementedError as error:
-        return Unfinished(str(error))
-
-
-def raise_if_unfinished(run):
-    """Raise the stub's ``NotImplementedError`` in the notebook if a rank stopped at one; else return ``run``."""
-    stopped = [value for value in run if isinstance(value, Unfinished)]
-    if stopped:
-        raise NotImplementedError(stopped[0])
-    return run
-
-
 def run_exercise(ranks, **kwargs):
-    """``ranks.run(train_worker, kwargs=kwargs)`` for a run that includes an exercise's answer: an unfinished
-    exercise raises ``NotImplementedError`` here (``distlab.needs`` turns it into one line) and the ranks stay up."""
-    return raise_if_unfinished(ranks.run(stop_at_stub, args=(train_worker,), kwargs=kwargs))
+    """``ranks.run(train_worker, kwargs=kwargs)``, the name lab 04's notebook calls.
+
+    An unfinished exercise's stub raises on every rank at the same point, outside any op, so the
+    launcher keeps the warm ranks and raises ``RankFailed`` naming ``NotImplementedError``, which
+    ``distlab.needs`` turns into one line.
+    """
+    return ranks.run(train_worker, kwargs=kwargs)

@@ -29,7 +29,8 @@ def write_token_bin(tokens, path) -> int:
     if array.size and not np.issubdtype(array.dtype, np.integer):
         raise ValueError(f"token ids must be integers, got dtype {array.dtype}")
     if array.size and (array.min() < 0 or array.max() >= 65536):
-        raise ValueError(f"token ids must lie in [0, 65535] for uint16 shards; got min {array.min()}, max {array.max()}")
+        raise ValueError(f"token ids must lie in [0, 65535] for uint16 shards; "
+                         f"got min {array.min()}, max {array.max()}")
     array.astype(_DTYPE).tofile(os.fspath(path))
     return int(array.size)
 
@@ -42,7 +43,8 @@ class TokenShardLoader:
     boundary. ``shard(rank, world_size)`` gives the loader for one data-parallel rank.
     """
 
-    def __init__(self, paths: str | os.PathLike | Sequence[str | os.PathLike], seq_len: int, batch_size: int, seed: int = 0):
+    def __init__(self, paths: str | os.PathLike | Sequence[str | os.PathLike], seq_len: int, batch_size: int,
+                 seed: int = 0):
         if isinstance(paths, (str, os.PathLike)):
             paths = [paths]
         self.paths = [os.fspath(p) for p in paths]
@@ -80,7 +82,8 @@ class TokenShardLoader:
     def get_batch(self, step: int) -> tuple[torch.Tensor, torch.Tensor]:
         starts = self._window_starts(step)
         lo = self.rank * self.batch_size
-        rows = [np.asarray(self._maps[s][o : o + self.seq_len + 1], dtype=np.int64) for s, o in starts[lo : lo + self.batch_size]]
+        rows = [np.asarray(self._maps[s][o : o + self.seq_len + 1], dtype=np.int64)
+                for s, o in starts[lo : lo + self.batch_size]]
         tokens = torch.from_numpy(np.stack(rows))
         return tokens[:, :-1].contiguous(), tokens[:, 1:].contiguous()
 

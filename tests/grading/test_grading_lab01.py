@@ -4,8 +4,13 @@ import pytest
 
 import distlab
 from distlab.grading import CheckFailed
-from distlab.grading.lab01 import (EXERCISES, check_activation_bytes, check_activation_bytes_per_layer,
-                                   check_bytes_per_param, check_training_memory_gib)
+from distlab.grading.lab01 import (
+    EXERCISES,
+    check_activation_bytes,
+    check_activation_bytes_per_layer,
+    check_bytes_per_param,
+    check_training_memory_gib,
+)
 from distlab.memory import GiB, activation_bytes_per_layer, bytes_per_param
 
 

@@ -6,7 +6,8 @@ op, the bytes of the tensors handed to it, and the bytes this rank puts on the
 wire. For point-to-point ops the wire bytes are exact. For collectives they
 follow the ring algorithm that NCCL and gloo use for large messages, so a lab
 can compare a measured payload with the textbook cost model, e.g. ring
-all-reduce sends 2(N-1)/N * M bytes per rank.
+all-reduce sends 2(N-1)/N * M bytes per rank. ``since(before)``, ``before`` a
+``snapshot()``, reads what a piece of code sent, per collective whichever torch function issued it.
 
 The same wrapper keeps the launcher informed and jobs honest:
 
@@ -26,16 +27,20 @@ from __future__ import annotations
 
 import functools
 import inspect
-import os
 import sys
 import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Callable
+from types import MappingProxyType
+from typing import Callable, Iterable, Mapping
 
 import torch
 import torch.distributed as dist
+from torch.distributed import _functional_collectives as funcol
+from torch.distributed import distributed_c10d
+
+from distlab.runtime.frames import is_library_frame
 
 # The Python API functions we wrap, with how many bytes one rank sends for each.
 # ``size`` is bytes of the tensor argument that defines the op's message size M,
@@ -145,8 +150,18 @@ class _Recorder(threading.local):
 _recorder = _Recorder()
 _log = CommLog()
 _clock_origin = 0.0
-_status_hook: Callable[[str | None, int], None] = lambda op, peer=-1: None
-_inflight_hook: Callable[[int], None] = lambda peer: None
+
+
+def _no_status(op: str | None, peer: int = -1) -> None:
+    """Outside a launched rank (a plain script, torchrun) nobody watches the status: publish nothing."""
+
+
+def _no_inflight(peer: int) -> None:
+    """See :func:`_no_status`."""
+
+
+_status_hook: Callable[[str | None, int], None] = _no_status
+_inflight_hook: Callable[[int], None] = _no_inflight
 _unfinished: dict[int, "_TrackedWork"] = {}
 _unfinished_sends: dict[int, int] = {}  # index -> peer of the isends among them, oldest first
 _sends_lock = threading.Lock()  # a work's completion callback may run on the backend's thread
@@ -312,15 +327,12 @@ class _TrackedWork:
         return getattr(self._work, name)
 
 
-_TORCH_DIR = os.path.dirname(torch.__file__)
-
-
 def _caller_line() -> str:
-    """``file:line`` of the user code that issued an op (first frame outside torch and distlab)."""
+    """``file:line`` of the user code that issued an op (its first frame outside the library, :mod:`.frames`)."""
     frame = sys._getframe(2)
     while frame is not None:
         filename = frame.f_code.co_filename
-        if not filename.startswith(_TORCH_DIR) and filename != __file__:
+        if not is_library_frame(filename):
             return f"{filename}:{frame.f_lineno}"
         frame = frame.f_back
     return "?"
@@ -433,8 +445,6 @@ def install() -> None:
     so ``dist.all_reduce`` from user code, torch's own Python callers (FSDP2,
     ``batch_isend_irecv``'s P2POp check) and nested ops all see one wrapper.
     """
-    from torch.distributed import distributed_c10d
-
     for op in WIRE_BYTES:
         real = getattr(distributed_c10d, op, None)
         if real is None or hasattr(real, "__distlab_real__"):  # absent in this torch version, or done
@@ -455,7 +465,7 @@ def install() -> None:
 # A functional collective returns at once (its result is waited for on first use), so its
 # event ends when it is issued: calls and bytes are exact; its span on a timeline is not.
 
-FUNCTIONAL_OPS: dict[str, str] = {  # funcol function -> name in the log (its cost model: WIRE_BYTES of the c10d op)
+FUNCTIONAL_OPS: dict[str, str] = {  # funcol function -> name in the log (cost model: WIRE_BYTES[canonical(name)])
     "all_reduce": "functional_all_reduce",
     "all_gather_tensor": "functional_all_gather",
     "all_gather_single": "functional_all_gather",  # torch >= 2.13 name of all_gather_tensor
@@ -464,14 +474,9 @@ FUNCTIONAL_OPS: dict[str, str] = {  # funcol function -> name in the log (its co
     "all_to_all_single": "functional_all_to_all",
     "broadcast": "functional_broadcast",
 }
-_FUNCTIONAL_COST = {"functional_all_reduce": "all_reduce", "functional_all_gather": "all_gather",
-                    "functional_reduce_scatter": "reduce_scatter", "functional_all_to_all": "all_to_all",
-                    "functional_broadcast": "broadcast"}
 
 
 def _functional_group_size(group) -> int:
-    from torch.distributed import _functional_collectives as funcol
-
     try:
         return funcol._expand_group(group)[2]
     except Exception:  # a private helper: if it moves, fall back to the default group
@@ -494,7 +499,7 @@ def _wrap_functional(name: str, real: Callable) -> Callable:
         stats = _log.ops[logged]
         stats.calls += 1
         stats.payload_bytes += size
-        stats.wire_bytes += WIRE_BYTES[_FUNCTIONAL_COST[logged]](size, world)
+        stats.wire_bytes += WIRE_BYTES[canonical(logged)](size, world)
         start = time.perf_counter() - _clock_origin
         log, index = _log, len(_log.events)
         log.events.append((logged, size, start, float("nan")))
@@ -514,10 +519,88 @@ def _wrap_functional(name: str, real: Callable) -> Callable:
 
 def _install_functional() -> None:
     """Wrap the functional collectives DTensor calls (module attributes of funcol; idempotent)."""
-    from torch.distributed import _functional_collectives as funcol
-
     for name in FUNCTIONAL_OPS:
         real = getattr(funcol, name, None)
         if real is None or hasattr(real, "__distlab_real__"):
             continue
         setattr(funcol, name, _wrap_functional(name, real))
+
+
+# ---------------------------------------------------------------- snapshots: what a piece of code sent
+#
+# A lab measures a step, a layer or a student's function by what the log gained while it ran:
+# ``before = snapshot(); ...; since(before)``. The log names an op by the function called, and one
+# collective has several (``all_gather_into_tensor``, renamed ``all_gather_single`` in torch 2.13;
+# DTensor's ``functional_all_gather``), so a measurement counts each under one canonical name and
+# reads the same on every torch version and through every API.
+
+CANONICAL_OPS: dict[str, str] = {  # name in the log -> the collective it is; names not listed are their own
+    "all_gather_into_tensor": "all_gather", "all_gather_single": "all_gather", "functional_all_gather": "all_gather",
+    "reduce_scatter_tensor": "reduce_scatter", "reduce_scatter_single": "reduce_scatter",
+    "functional_reduce_scatter": "reduce_scatter",
+    "all_to_all_single": "all_to_all", "functional_all_to_all": "all_to_all",
+    "functional_all_reduce": "all_reduce", "functional_broadcast": "broadcast",
+}
+
+
+def canonical(op: str) -> str:
+    """The collective a logged op is (``all_gather_single`` → ``all_gather``); other names are their own."""
+    return CANONICAL_OPS.get(op, op)
+
+
+@dataclass(frozen=True)
+class OpCounts:
+    """One canonical op's calls, payload bytes and bytes sent (as in :class:`OpStats`)."""
+
+    calls: int = 0
+    payload_bytes: int = 0
+    wire_bytes: float = 0.0
+
+
+@dataclass(frozen=True)
+class Snapshot:
+    """This rank's counts at one moment, per canonical op, and how many events its log held then."""
+
+    ops: Mapping[str, OpCounts]
+    events: int
+    log: CommLog = field(repr=False, compare=False)  # the job's log: a diff across jobs would be meaningless
+
+
+@dataclass(frozen=True)
+class Traffic:
+    """What this rank communicated between two moments: counts of each canonical op called in between,
+    and the events in order as ``(logged op, bytes, start, end)`` (``end`` is NaN while an async op is in flight)."""
+
+    ops: Mapping[str, OpCounts]
+    events: tuple[tuple[str, int, float, float], ...]
+
+    def total(self, attribute: str = "wire_bytes", ops: str | Iterable[str] | None = None) -> float:
+        """``attribute`` summed over ``ops`` (canonical or logged names; default: every op)."""
+        wanted = None if ops is None else {canonical(op) for op in ([ops] if isinstance(ops, str) else ops)}
+        return sum(getattr(counts, attribute) for op, counts in self.ops.items() if wanted is None or op in wanted)
+
+
+def snapshot() -> Snapshot:
+    """Freeze this rank's counts now; :func:`since` then says what was communicated after."""
+    merged: dict[str, list] = defaultdict(lambda: [0, 0, 0.0])
+    for name, stats in _log.ops.items():
+        row = merged[canonical(name)]
+        row[0] += stats.calls
+        row[1] += stats.payload_bytes
+        row[2] += stats.wire_bytes
+    return Snapshot(MappingProxyType({op: OpCounts(*row) for op, row in merged.items()}), len(_log.events), _log)
+
+
+def since(before: Snapshot, until: Snapshot | None = None) -> Traffic:
+    """What this rank communicated after ``before`` and up to ``until`` (a later :func:`snapshot`; default: now)."""
+    after = until or snapshot()
+    if after.log is not before.log:
+        raise ValueError("the two snapshots come from different jobs (each job starts a fresh comm log); "
+                         "take both in the same job")
+    ops = {}
+    for op, now in after.ops.items():
+        then = before.ops.get(op, OpCounts())
+        if now.calls != then.calls:
+            ops[op] = OpCounts(now.calls - then.calls, now.payload_bytes - then.payload_bytes,
+                               now.wire_bytes - then.wire_bytes)
+    return Traffic(MappingProxyType(ops), tuple(before.log.events[before.events:after.events]))

@@ -1,6 +1,6 @@
 """What runs inside each launched rank: set-up, the job loop, and helpers user code calls.
 
-The parent (:mod:`distlab.launcher`) starts one process per rank from a
+The parent (:mod:`distlab.runtime.launch`) starts one process per rank from a
 forkserver that has already imported torch, so a rank starts in a fraction of
 a second. Each rank joins the process group once, then runs jobs sent over a
 pipe: a cold launch sends one job, a warm group many.
@@ -25,17 +25,18 @@ import traceback
 import warnings
 from dataclasses import dataclass, field
 from datetime import timedelta
+from multiprocessing import forkserver
 
 import torch
 import torch.distributed as dist
 
-from distlab import comm, payload, timeline
+from distlab.runtime import comm, payload, timeline
+from distlab.runtime.frames import is_library_frame
 
 # Process-wide default seed torch uses in a fresh interpreter; every job starts from it,
 # so a job in a warm rank draws the same random numbers as in a cold one.
 _FRESH_TORCH_SEED = torch.initial_seed()
-_TORCH_DIR = os.path.dirname(torch.__file__)
-_THIS_FILE = os.path.abspath(__file__)
+_THIS_FILE = os.path.abspath(__file__)  # _run_job's frame, above the user's first: never part of their traceback
 OP_NAMES = list(comm.WIRE_BYTES)
 # Per rank in the shared status array: op code (negative: waiting on an async op), since, peer, and the
 # peer of the oldest isend still in flight (-1: none), which tells a wrong neighbour from a deadlock.
@@ -172,7 +173,8 @@ class ProcessState:
                           lambda value: torch.use_deterministic_algorithms(value[0], warn_only=value[1])),
         "stdout": (lambda: sys.stdout, lambda value: setattr(sys, "stdout", value)),
         "stderr": (lambda: sys.stderr, lambda value: setattr(sys, "stderr", value)),
-        "warning_filters": (lambda: list(warnings.filters), lambda value: warnings.filters.__setitem__(slice(None), value)),
+        "warning_filters": (lambda: list(warnings.filters),
+                            lambda value: warnings.filters.__setitem__(slice(None), value)),
     }
     if hasattr(torch, "get_default_device"):  # torch >= 2.3; setting "cpu" back would leave a mode active
         _TORCH_SETTINGS["default_device"] = (
@@ -203,7 +205,7 @@ def describe_error(error: BaseException, in_op: str | None) -> dict:
     """A picklable account of an exception with the frames a user needs: theirs, not ours or torch's."""
     frames = traceback.extract_tb(error.__traceback__)
     frames = [f for f in frames if os.path.abspath(f.filename) != _THIS_FILE]
-    last_user = max((i for i, f in enumerate(frames) if not _is_library_frame(f.filename)), default=len(frames) - 1)
+    last_user = max((i for i, f in enumerate(frames) if not is_library_frame(f.filename)), default=len(frames) - 1)
     hidden = len(frames) - 1 - last_user
     frames = frames[: last_user + 1]
     return {
@@ -214,11 +216,6 @@ def describe_error(error: BaseException, in_op: str | None) -> dict:
         "in_op": in_op,
         "peer": getattr(error, "distlab_peer", -1),
     }
-
-
-def _is_library_frame(filename: str) -> bool:
-    path = os.path.abspath(filename)
-    return path.startswith(_TORCH_DIR) or path == os.path.abspath(comm.__file__)
 
 
 def _status_writer(status, rank: int):
@@ -307,8 +304,6 @@ def _detach_from_forkserver() -> None:
     children started through it would be the server's, outside this rank's process
     group, where the launcher could not reach them.
     """
-    from multiprocessing import forkserver
-
     server = forkserver._forkserver
     alive = getattr(server, "_forkserver_alive_fd", None)
     if alive is not None:

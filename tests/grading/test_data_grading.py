@@ -10,7 +10,14 @@ import pytest
 
 from distlab.data import dedup, line_dedup, pii, quality, shards
 from distlab.grading import CheckFailed, check
-from distlab.grading.lab10 import EXERCISES, check_deduper, check_line_dedup, check_pii, check_quality, check_token_writer
+from distlab.grading.lab10 import (
+    EXERCISES,
+    check_deduper,
+    check_line_dedup,
+    check_pii,
+    check_quality,
+    check_token_writer,
+)
 
 
 class ReferenceDeduper:

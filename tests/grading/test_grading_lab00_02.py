@@ -13,8 +13,12 @@ import distlab
 from distlab import collectives as C
 from distlab.grading import CheckFailed, lab00, lab02
 from distlab.grading.lab00 import check_mean_across_ranks, check_rank_sum
-from distlab.grading.lab02 import (check_all_reduce_via_reduce_scatter, check_ring_all_gather, check_ring_all_reduce,
-                                   check_tree_all_reduce)
+from distlab.grading.lab02 import (
+    check_all_reduce_via_reduce_scatter,
+    check_ring_all_gather,
+    check_ring_all_reduce,
+    check_tree_all_reduce,
+)
 
 # Send this module's functions to the ranks by value: a fresh rank then need not import pytest and this file.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -177,8 +181,8 @@ def test_a_ring_or_a_builtin_is_no_tree():
 def test_deadlocked_ring_fails_fast_with_the_hint_for_what_happened(monkeypatch, no_leftover_ranks):
     monkeypatch.setattr(lab00, "COLLECTIVE_TIMEOUT", 1.5)
     with pytest.raises(CheckFailed, match=r"^your ring deadlocked on 2 ranks: every rank waits to receive \(rank 0 "
-                                          r"waits for rank 1, rank 1 waits for rank 0\) and none is sending.* Hint: start "
-                                          r"each send before the matching receive \(dist.isend\)"):
+                                          r"waits for rank 1, rank 1 waits for rank 0\) and none is sending.* "
+                                          r"Hint: start each send before the matching receive \(dist.isend\)"):
         check_ring_all_reduce(deadlocking_ring)
 
 

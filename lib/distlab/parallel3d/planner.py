@@ -10,7 +10,7 @@ Nothing here is a new formula. Each number comes from the module that teaches it
 * communication per step — :func:`distlab.tensor_parallel.collectives_per_block` (TP),
   :func:`distlab.context_parallel.cost.ring_bytes` (CP), one activation per micro-batch and
   stage boundary (PP), and the ring formulas of :mod:`distlab.collectives` (DP, ZeRO), on the
-  link the axis's groups use (:meth:`distlab.mesh.Grid.nodes_spanned`);
+  link the axis's groups use (:meth:`distlab.parallel3d.grid.Grid.nodes_spanned`);
 * time — FLOPs per token from :func:`distlab.model.training_flops_per_token`, the pipeline
   bubble from :func:`distlab.pipeline_parallel.bubble_fraction` / ``interleaved_bubble_fraction``,
   and MFU from :func:`distlab.flops.mfu`.
@@ -29,9 +29,19 @@ import math
 from dataclasses import dataclass, field
 
 from distlab.collectives import all_reduce_cost, ring_all_gather_bytes, ring_all_reduce_bytes
-from distlab.flops import PEAK_FLOPS, mfu
+from distlab.context_parallel.cost import ring_bytes
+from distlab.flops import PEAK_FLOPS, mfu, tokens_per_second
 from distlab.memory import PRESETS, Preset, activation_bytes_per_layer, bytes_per_param
 from distlab.model import GPTConfig, count_params, training_flops_per_token
+from distlab.parallel3d.grid import Grid
+from distlab.pipeline_parallel import bubble_fraction, interleaved_bubble_fraction, peak_in_flight
+from distlab.tensor_parallel import (
+    LINKS,
+    activation_bytes_per_layer_tp,
+    activation_message_bytes,
+    collectives_per_block,
+    collectives_per_step,
+)
 
 __all__ = ["ModelShape", "Cluster", "Layout", "Estimate", "Plan", "h100_cluster", "estimate", "enumerate_layouts",
            "plan", "bytes_per_axis", "run_cost", "gradient_all_reduce_seconds", "plot_plan"]
@@ -99,8 +109,6 @@ class Cluster:
 
 def h100_cluster(gpus: int) -> Cluster:
     """H100 SXM nodes of 8 GPUs, NVLink inside a node, one 400 Gb/s InfiniBand NIC per GPU."""
-    from distlab.tensor_parallel import LINKS
-
     return Cluster(f"{gpus:,} H100s", gpus, intra_node_bandwidth=LINKS["NVLink 4 (H100, 900 GB/s both ways)"],
                    inter_node_bandwidth=LINKS["InfiniBand NDR (400 Gb/s)"])
 
@@ -175,8 +183,6 @@ def _link(cluster: Cluster, layout: Layout, axis: str) -> tuple[float, int]:
 
 @functools.lru_cache(maxsize=4096)
 def _nodes_spanned(dp: int, pp: int, tp: int, cp: int, axis: str, gpus_per_node: int) -> int:
-    from distlab.mesh import Grid
-
     return Grid(dp=dp, pp=pp, tp=tp, cp=cp).nodes_spanned(axis, gpus_per_node)
 
 
@@ -198,9 +204,6 @@ def bytes_per_axis(model: ModelShape, layout: Layout, sequence_parallel: bool = 
     * dp — this rank's gradients once per step; ZeRO-2 and ZeRO-3 once per micro-batch and more
       (:func:`_dp_messages`).
     """
-    from distlab.context_parallel.cost import ring_bytes
-    from distlab.tensor_parallel import activation_message_bytes, collectives_per_block, collectives_per_step
-
     t, mb, seq = layout.tp, layout.micro_batch, model.seq_len // layout.cp
     layers = _layers_per_rank(model, layout)
     out = {"tp": 0.0, "pp": 0.0, "cp": 0.0, "dp": 0.0}
@@ -246,8 +249,6 @@ def _calls_per_axis(model: ModelShape, layout: Layout) -> dict[str, float]:
     """Collective calls per step on each axis, each paying the ring's per-step latency α: TP's per
     block (:func:`~distlab.tensor_parallel.collectives_per_block`), the DP messages bucketed one per
     layer, and CP's ring steps (N-1 forward, 2N-1 backward) per layer."""
-    from distlab.tensor_parallel import collectives_per_block
-
     layers = _layers_per_rank(model, layout)
     block = collectives_per_block(1, model.seq_len, model.d_model, layout.tp, sequence_parallel=True)
     forward = sum(c for c, _ in block["forward"].values())
@@ -308,9 +309,6 @@ def estimate(model: ModelShape, cluster: Cluster, layout: Layout, global_batch: 
     :func:`distlab.memory.bytes_per_param` precision — ``"mixed_fp32_grads"`` accumulates and
     reduces the gradients in fp32 (Llama 3), doubling their memory and their DP traffic.
     """
-    from distlab.pipeline_parallel import bubble_fraction, interleaved_bubble_fraction, peak_in_flight
-    from distlab.tensor_parallel import activation_bytes_per_layer_tp
-
     est = Estimate(layout, reasons=_check(model, cluster, layout, global_batch))
     if any("does not divide" in r or "stages for" in r or "interleaving" in r or "global batch" in r
            or "cannot accumulate" in r for r in est.reasons):
@@ -460,8 +458,6 @@ def plan(model: ModelShape | str, cluster: Cluster, global_batch: int, matmul_ef
 def run_cost(model: ModelShape | str, tokens: float, cluster: Cluster, mfu_value: float,
              tokens_per_step: float) -> dict[str, float]:
     """The seeds' arithmetic for a whole run: steps, days and dollars to train on ``tokens`` at ``mfu_value``."""
-    from distlab.flops import tokens_per_second
-
     model = ModelShape.from_preset(model) if isinstance(model, str) else model
     rate = tokens_per_second(mfu_value, model.flops_per_token, cluster.peak_flops, cluster.gpus)
     seconds = tokens / rate
@@ -480,7 +476,7 @@ def gradient_all_reduce_seconds(model: ModelShape | str, gpus: int, bandwidth: f
 def plot_plan(ax, result: Plan, highlight: Layout | None = None, hbm_headroom: float = 0.1):
     """Every estimated layout as memory per GPU against MFU: feasible ones coloured by PP,
     those over the memory limit grey; ``highlight`` (a published layout, say) starred."""
-    import matplotlib
+    import matplotlib  # noqa: PLC0415  matplotlib is heavy and only the plot needs it
 
     usable = result.cluster.hbm_bytes * (1 - hbm_headroom) / GB
     over = [e for e in result.near_misses if e.mfu > 0]

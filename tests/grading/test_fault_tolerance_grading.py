@@ -13,10 +13,21 @@ import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import get_state_dict
 
 import distlab
-from distlab.fault_tolerance import (SpikeGuard, TrainState, find_divergent_replicas, job_mtbf_hours,
-                                     latest_checkpoint, load_checkpoint, make_training, resumable_train,
-                                     save_checkpoint, train_step_ddp, young_interval)
+from distlab.fault_tolerance import (
+    SpikeGuard,
+    TrainState,
+    find_divergent_replicas,
+    job_mtbf_hours,
+    latest_checkpoint,
+    load_checkpoint,
+    make_training,
+    resumable_train,
+    save_checkpoint,
+    train_step_ddp,
+    young_interval,
+)
 from distlab.grading import CheckFailed, lab12
+
 from processes import shared_ranks_end_here
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])

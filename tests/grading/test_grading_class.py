@@ -10,10 +10,17 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from distlab.notebooks import (DEFAULT_THRESHOLD, NotebookGrade, class_report, format_report, grade_notebooks,
-                               make_lab, student_names)
+from distlab.grading.classroom import (
+    DEFAULT_THRESHOLD,
+    NotebookGrade,
+    class_report,
+    format_report,
+    grade_notebooks,
+    student_names,
+)
+from distlab.notebooks import make_lab
 
-REPO = Path(__file__).resolve().parents[1]
+REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.usefixtures("no_leftover_ranks")]
 
 

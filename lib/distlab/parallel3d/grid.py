@@ -17,7 +17,7 @@ PP is next (one point-to-point message per micro-batch per stage boundary), DP o
 
 Under torchrun::
 
-    torchrun --nproc-per-node=8 -m distlab.torchrun distlab.mesh:train dp=2 pp=2 tp=2 steps=3
+    torchrun --nproc-per-node=8 -m distlab.torchrun distlab.parallel3d.grid:train dp=2 pp=2 tp=2 steps=3
 """
 
 from __future__ import annotations
@@ -29,9 +29,18 @@ from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
+from torch.distributed.device_mesh import init_device_mesh
 
+from distlab.data_parallel import allreduce_buckets
 from distlab.model import GPT, GPTConfig, synthetic_batch
+from distlab.pipeline_parallel import StageModule, check_setup, even_partition, make_schedule, run_schedule
+from distlab.pipeline_parallel.executor import Channels
+from distlab.pipeline_parallel.train import keep_freed_memory
 from distlab.reference import make_optimizer, train_reference
+from distlab.runtime import comm
+from distlab.runtime.rank import device
+from distlab.runtime.subgroups import own_subgroup, subgroup
+from distlab.tensor_parallel import TensorParallelGPT, check_tp_sizes, shard_of, vocab_parallel_cross_entropy
 
 __all__ = ["AXES", "Grid", "ProcessGroups", "process_groups", "device_mesh_groups", "group_ranks_worker",
            "average_gradients", "check_3d_setup", "parallel3d_worker", "replica_losses", "reference_run",
@@ -119,12 +128,12 @@ class Grid:
 
 @dataclass
 class ProcessGroups:
-    """This rank's coordinates and its group along each axis of the grid, plus the pipeline's channels."""
+    """This rank's coordinates and its group along each axis of the grid, plus its pipeline's channels."""
 
     grid: Grid
     coords: dict[str, int]
     groups: dict[str, object]
-    pipe: "GridChannels"
+    pipe: Channels
 
     @property
     def dp(self):
@@ -142,65 +151,20 @@ class ProcessGroups:
         return dist.get_process_group_ranks(self.groups[axis])
 
 
-class GridChannels:
-    """Point-to-point channels between neighbouring stages of *this rank's* pipeline.
-
-    Lab 06's executor addresses peers by pipeline rank (stage index mod ``pp``); here that
-    index is mapped to the global rank with the same DP and TP coordinates. As in lab 06
-    there is one group per direction between two ranks, so activations going forward never
-    queue behind gradients coming back. ``new_group`` is collective, so every rank creates
-    the channels of every pipeline, in the same order, and keeps its own.
-    """
-
-    def __init__(self, grid: Grid, rank: int):
-        self.grid, self.rank = grid, rank
-        self.pipeline = grid.group_of(rank, "pp")
-        self.groups: dict[tuple[int, int], object] = {}
-        p = grid.pp
-        pairs = sorted({(a, (a + step) % p) for a in range(p) for step in (1, -1) if (a + step) % p != a})
-        for pipeline in grid.groups("pp"):
-            for src, dst in pairs:
-                group = dist.new_group([pipeline[src], pipeline[dst]])
-                if pipeline == self.pipeline:
-                    self.groups[(src, dst)] = group
-        self.index = self.pipeline.index(rank)
-
-    def send(self, tensor: torch.Tensor, dst: int):
-        return dist.isend(tensor.contiguous(), self.pipeline[dst], group=self.groups[(self.index, dst)])
-
-    def recv(self, buffer: torch.Tensor, src: int):
-        return dist.irecv(buffer, self.pipeline[src], group=self.groups[(src, self.index)])
-
-
-_GROUPS: dict[tuple, ProcessGroups] = {}
-
-
 def process_groups(grid: Grid) -> ProcessGroups:
-    """This rank's groups along every axis of ``grid`` (created once per process and grid).
+    """This rank's groups along every axis of ``grid``, and lab 06's channels for each pipeline (its ``pp`` groups).
 
-    Every rank creates every group, axis by axis in the order of :data:`AXES` (``new_group``
-    is collective; ``cp`` only when ``cp > 1``); a warm rank keeps them between jobs.
+    Every rank asks for every group, axis by axis in the order of :data:`AXES` (``new_group``
+    is collective; ``cp`` only when ``cp > 1``); they are made once, and a warm rank keeps them between jobs.
     """
     world, rank = dist.get_world_size(), dist.get_rank()
     grid.check_world(world)
-    key = (grid, world, dist.get_backend(), id(dist.group.WORLD))
-    if key not in _GROUPS:
-        mine = {}
-        for axis in grid.axes:
-            for ranks in grid.groups(axis):
-                group = dist.new_group(ranks)
-                if rank in ranks:
-                    mine[axis] = group
-        _GROUPS[key] = ProcessGroups(grid, grid.coords(rank), mine, GridChannels(grid, rank))
-    return _GROUPS[key]
+    mine = {axis: own_subgroup(grid.groups(axis)) for axis in grid.axes}
+    return ProcessGroups(grid, grid.coords(rank), mine, Channels(grid.pp, grid.groups("pp")))
 
 
 def device_mesh_groups(grid: Grid) -> dict[str, list[int]]:
     """This rank's group along each axis, as PyTorch's ``init_device_mesh`` builds them."""
-    from torch.distributed.device_mesh import init_device_mesh
-
-    from distlab.rank import device
-
     grid.check_world(dist.get_world_size())
     mesh = init_device_mesh(device().type, tuple(grid.shape[a] for a in grid.axes), mesh_dim_names=grid.axes)
     return {axis: dist.get_process_group_ranks(mesh[axis].get_group()) for axis in grid.axes}
@@ -222,9 +186,9 @@ def group_ranks_worker(grid: Grid, groups_fn: Callable[[int, int, int, int], dic
         theirs = {}
         for axis in ("dp", "pp", "tp"):
             for ranks in layout[axis]:
-                group = dist.new_group(sorted(ranks))
+                made = subgroup(ranks)
                 if rank in ranks:
-                    theirs[axis] = dist.get_process_group_ranks(group)
+                    theirs[axis] = dist.get_process_group_ranks(made)
         out["theirs"] = theirs
     return out
 
@@ -240,8 +204,6 @@ def average_gradients(params: Sequence[torch.nn.Parameter], group, dp: int) -> N
     *same* shard of the *same* stage are in a DP group: reducing over the world would add
     different tensors together.
     """
-    from distlab.data_parallel import allreduce_buckets
-
     if dp > 1:
         allreduce_buckets([list(params)], group)
 
@@ -249,9 +211,6 @@ def average_gradients(params: Sequence[torch.nn.Parameter], group, dp: int) -> N
 def check_3d_setup(cfg: GPTConfig, grid: Grid, m: int, batch_size: int, world: int | None = None,
                    schedule: str = "1f1b") -> None:
     """Every size the 3D run needs, checked before any rank starts: one ``ValueError`` line."""
-    from distlab.pipeline_parallel import check_setup
-    from distlab.tensor_parallel import check_tp_sizes
-
     if world is not None:
         grid.check_world(world)
     if cfg.tied_embeddings:
@@ -264,17 +223,6 @@ def check_3d_setup(cfg: GPTConfig, grid: Grid, m: int, batch_size: int, world: i
         raise ValueError(f"this run composes DP, PP and TP; cp={grid.cp} (context parallelism, lab 07) "
                          f"is not part of it")
     check_setup(grid.pp, m, cfg.n_layer, batch_size // grid.dp, schedule)
-
-
-def _op_counts() -> dict[str, tuple[int, int]]:
-    from distlab import comm
-
-    return {name: (s.calls, s.payload_bytes) for name, s in comm.current_log().ops.items()}
-
-
-def _since(before: dict[str, tuple[int, int]], ops: tuple[str, ...]) -> int:
-    now = _op_counts()
-    return sum(now[op][1] - before.get(op, (0, 0))[1] for op in ops if op in now)
 
 
 def parallel3d_worker(cfg: GPTConfig, dp: int, pp: int, tp: int, m: int = 2, batch_size: int = 4, steps: int = 1,
@@ -295,11 +243,6 @@ def parallel3d_worker(cfg: GPTConfig, dp: int, pp: int, tp: int, m: int = 2, bat
     on its last stage's ranks, else ``None``), ``state`` (this rank's shards, GPT names),
     ``bytes``: per step, the payload bytes this rank sent along each axis, and ``step_times``.
     """
-    from distlab.pipeline_parallel import StageModule, even_partition, make_schedule, run_schedule
-    from distlab.pipeline_parallel.train import keep_freed_memory
-    from distlab.rank import device
-    from distlab.tensor_parallel import TensorParallelGPT, vocab_parallel_cross_entropy
-
     grid = Grid(dp, pp, tp)
     check_3d_setup(cfg, grid, m, batch_size, dist.get_world_size(), schedule)
     keep_freed_memory()
@@ -323,12 +266,14 @@ def parallel3d_worker(cfg: GPTConfig, dp: int, pp: int, tp: int, m: int = 2, bat
         x, y = synthetic_batch(cfg, batch_size, step, seed=data_seed)
         micro = list(zip(x[d * rows:(d + 1) * rows].to(dev).chunk(m), y[d * rows:(d + 1) * rows].to(dev).chunk(m)))
         start = time.perf_counter()
-        before = _op_counts()
+        before = comm.snapshot()
         stats = run_schedule(actions, {s: stage}, micro, loss_fn=loss_fn, p=pp, num_stages=pp, chan=groups.pipe)
-        sent = {"tp": _since(before, ("all_reduce",)), "pp": _since(before, ("isend", "send"))}
-        before = _op_counts()
+        schedule_traffic = comm.since(before)
+        sent = {"tp": schedule_traffic.total("payload_bytes", "all_reduce"),
+                "pp": schedule_traffic.total("payload_bytes", ("isend", "send"))}
+        before = comm.snapshot()
         sync(params, groups.dp, dp)
-        sent["dp"] = _since(before, ("all_reduce",))
+        sent["dp"] = comm.since(before).total("payload_bytes", "all_reduce")
         opt.step()
         opt.zero_grad(set_to_none=True)
         if dev.type == "cuda":
@@ -362,8 +307,6 @@ def compare_with_reference(results: Sequence[dict], cfg: GPTConfig, grid: Grid, 
     reference (:func:`~distlab.tensor_parallel.shard_of`). Also checks that every parameter
     of the model is held by some rank.
     """
-    from distlab.tensor_parallel import shard_of
-
     reference = reference_run(cfg, batch_size, steps, optimizer, lr, seed, data_seed)
     losses = replica_losses(results)
     loss_diff = max(abs(a - b) for a, b in zip(losses, reference.losses))

@@ -1,7 +1,7 @@
 """Timelines: labelled spans recorded in each rank, merged in the notebook, drawn as a Gantt chart.
 
 Inside a rank, ``with distlab.span("backward"):`` marks compute; every
-collective is recorded automatically by :mod:`distlab.comm` as a "comm" span
+collective is recorded automatically by :mod:`distlab.runtime.comm` as a "comm" span
 (async ops last from issue to completion, so overlap with compute is visible).
 All ranks on one machine read the same monotonic clock, so spans line up.
 """
@@ -74,8 +74,8 @@ def idle_fraction(spans: list[Span], rank: int) -> float:
 
 def plot(spans: list[Span], ax=None, title: str | None = None, kinds: tuple[str, ...] | None = None):
     """Gantt chart: one row per rank, one bar per span, coloured by kind."""
-    import matplotlib.pyplot as plt
-    from matplotlib.patches import Patch
+    import matplotlib.pyplot as plt  # noqa: PLC0415  matplotlib is heavy and only the plot needs it
+    from matplotlib.patches import Patch  # noqa: PLC0415  as above
 
     if ax is None:
         ranks = sorted({s.rank for s in spans}) or [0]

@@ -1,0 +1,279 @@
+"""Grading a class: run every student's notebook headless, total its checks, report per student and exercise.
+
+Each notebook runs top to bottom in its own kernel with ``DISTLAB_GRADE_REPORT`` set, so every
+``distlab.check`` call lands in a JSON-lines file that is totalled here; exercises of the notebook's lab
+that no check reported score 0 as "not run". Kernels are forked warm from one
+:class:`~distlab.runtime.kernels.KernelFactory` that imported every lab's checkers once, and several
+notebooks run at once where cores allow. :func:`class_report` and :func:`format_report` turn the
+grades into the JSON and the text ``distlab grade`` prints.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import nbformat
+from nbclient.exceptions import CellTimeoutError, DeadKernelError
+
+from distlab.grading import REPORT_ENV
+from distlab.grading.harness import first_line
+from distlab.grading.registry import exercises_of_lab, lab_modules, sort_key
+from distlab.runtime.kernels import KernelFactory, kernel_manager_class, notebook_client
+
+__all__ = ["DEFAULT_THRESHOLD", "DEFAULT_TIMEOUT", "NotebookGrade", "lab_number", "default_jobs", "student_names",
+           "grade_notebooks", "grade_notebook", "class_report", "format_report"]
+
+DEFAULT_THRESHOLD = 1.0  # a notebook passes with every point: a lab is done when every check is ✓
+DEFAULT_TIMEOUT = 600.0  # seconds per notebook
+
+
+@dataclass
+class NotebookGrade:
+    path: str
+    student: str = ""
+    exercises: list[dict] = field(default_factory=list)
+    error: str | None = None  # execution stopped early: a time limit, a dead kernel
+    cell_errors: list[dict] = field(default_factory=list)  # cells that raised: cell, ename, message
+    seconds: float = 0.0
+    startup: float = 0.0  # seconds before the first cell ran: kernel start and connection
+    slowest_cells: list[list] = field(default_factory=list)  # [cell index, seconds], the three slowest
+
+    @property
+    def points(self) -> int:
+        return sum(e["points"] for e in self.exercises)
+
+    @property
+    def max_points(self) -> int:
+        return sum(e["max_points"] for e in self.exercises)
+
+    @property
+    def fraction(self) -> float:
+        return self.points / self.max_points if self.max_points else 0.0
+
+    @property
+    def lab(self) -> int | None:
+        return lab_number(Path(self.path))
+
+
+def lab_number(path: Path) -> int | None:
+    match = re.match(r"(\d+)_", Path(path).name)
+    return int(match.group(1)) if match else None
+
+
+def default_jobs(notebooks: int) -> int:
+    """Notebooks graded at once: one per two cores (a lab's ranks keep about two busy), at least one."""
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return max(1, min(notebooks, cores // 2))
+
+
+def student_names(paths: list[str]) -> list[str]:
+    """How the report names each notebook: its folder when every file has the same name
+    (``submissions/alice/02_collectives.ipynb`` → ``alice``), else its file name."""
+    paths = [Path(p) for p in paths]
+    if len({p.name for p in paths}) == 1 and len({p.parent.name for p in paths}) == len(paths) > 1:
+        return [p.parent.name for p in paths]
+    stems = [p.stem for p in paths]
+    return stems if len(set(stems)) == len(stems) else [str(p) for p in paths]
+
+
+async def _grade_one(path: Path, student: str, manager_class, timeout: float, cell_timeout: float | None,
+                     expected: dict) -> NotebookGrade:
+    grade = NotebookGrade(str(path), student)
+    started = time.monotonic()
+    deadline = started + timeout
+    running: dict = {"cell": None, "started": {}, "seconds": {}}
+    with tempfile.TemporaryDirectory(prefix="distlab-grade-") as tmp:
+        report = Path(tmp) / "report.jsonl"
+        report.touch()
+        try:
+            notebook = nbformat.read(path, as_version=4)
+        except Exception as error:  # noqa: BLE001  not a notebook: a result, not a crash of the grader
+            notebook = None
+            grade.error = f"not a readable notebook: {first_line(error) or type(error).__name__}"
+        if notebook is not None:
+            client = notebook_client(notebook, path, manager_class, True,
+                                     lambda cell: max(1.0, min(cell_timeout or timeout, deadline - time.monotonic())))
+
+            def cell_start(cell, cell_index):
+                running["cell"] = cell_index
+                running["started"][cell_index] = time.monotonic()
+
+            def cell_executed(cell, cell_index, execute_reply):
+                running["seconds"][cell_index] = time.monotonic() - running["started"][cell_index]
+
+            client.on_cell_start, client.on_cell_executed = cell_start, cell_executed
+            try:
+                await client.async_execute(env=dict(os.environ, **{REPORT_ENV: str(report)}))
+            except CellTimeoutError:
+                over = "its time limit" if time.monotonic() >= deadline - 1 else "the cell time limit"
+                grade.error = f"stopped after {timeout if over == 'its time limit' else cell_timeout:g} s " \
+                              f"({over}) while cell {running['cell']} was running"
+            except DeadKernelError:
+                grade.error = f"the kernel died while cell {running['cell']} was running"
+            except Exception as error:  # noqa: BLE001  a kernel that never started, a broken notebook
+                grade.error = f"{type(error).__name__}: {first_line(error)}"
+            grade.cell_errors = [
+                {"cell": index, "ename": output.get("ename", ""), "message": first_line(output.get("evalue", ""))}
+                for index, cell in enumerate(notebook.cells) if cell.cell_type == "code"
+                for output in cell.get("outputs", []) if output.get("output_type") == "error"]
+        reported = {}
+        for line in report.read_text(encoding="utf-8").splitlines():
+            result = json.loads(line)
+            reported[result["id"]] = result  # the last check of an exercise counts
+    for exercise_id in sorted(set(expected) | set(reported), key=sort_key):
+        if exercise_id in reported:
+            grade.exercises.append(reported[exercise_id])
+        else:
+            e = expected[exercise_id]
+            grade.exercises.append({"id": e.id, "title": e.title, "status": "not run", "points": 0,
+                                    "max_points": e.points, "detail": "its check cell never ran",
+                                    "label": e.label})
+    grade.seconds = time.monotonic() - started
+    if running["started"]:
+        grade.startup = min(running["started"].values()) - started
+    slowest = sorted(running["seconds"].items(), key=lambda item: -item[1])[:3]
+    grade.slowest_cells = [[index, round(seconds, 2)] for index, seconds in slowest]
+    return grade
+
+
+def grade_notebooks(paths, timeout: float = DEFAULT_TIMEOUT, jobs: int | None = None, warm: bool = True,
+                    cell_timeout: float | None = None, progress=None) -> list[NotebookGrade]:
+    """Execute each notebook headless (``jobs`` at a time, each within ``timeout`` seconds) and total its checks.
+
+    ``warm`` forks every kernel from one :class:`KernelFactory` (Linux); ``progress(done, total, grade)``
+    is called as each notebook finishes. Exercises of the notebook's lab that no check reported (a
+    deleted check cell, a notebook stopped early) score 0 as "not run".
+    """
+    paths = [Path(p) for p in paths]
+    names = student_names([str(p) for p in paths])
+    jobs = jobs or default_jobs(len(paths))
+    factory = None
+    if warm and KernelFactory.available():
+        try:  # every kernel imports every lab's checkers (and through them the topics'): once, in the factory
+            factory = KernelFactory(preload=[f"distlab.grading.{name}" for name in lab_modules()])
+        except Exception as error:  # noqa: BLE001  grading still works, only slower
+            print(f"warm kernels unavailable ({first_line(error) or type(error).__name__}); starting a fresh "
+                  "kernel per notebook", file=sys.stderr)
+
+    async def grade_all() -> list[NotebookGrade]:
+        gate = asyncio.Semaphore(jobs)
+        done = []
+
+        async def one(path: Path, name: str) -> NotebookGrade:
+            async with gate:
+                number = lab_number(path)
+                grade = await _grade_one(path, name, manager_class, timeout, cell_timeout,
+                                         exercises_of_lab(number) if number is not None else {})
+            done.append(grade)
+            if progress:
+                progress(len(done), len(paths), grade)
+            return grade
+
+        return await asyncio.gather(*(one(p, n) for p, n in zip(paths, names)))
+
+    workdir = tempfile.mkdtemp(prefix="distlab-grade-kernels-")
+    try:
+        manager_class = kernel_manager_class(workdir, factory)
+        return asyncio.run(grade_all())
+    finally:
+        if factory is not None:
+            factory.close()
+        shutil.rmtree(workdir, ignore_errors=True)
+
+
+def grade_notebook(path: Path, timeout: float = DEFAULT_TIMEOUT, cell_timeout: float | None = None,
+                   warm: bool = False) -> NotebookGrade:
+    """Grade one notebook (a fresh kernel, unless ``warm``); see :func:`grade_notebooks`."""
+    return grade_notebooks([path], timeout=timeout, jobs=1, warm=warm, cell_timeout=cell_timeout)[0]
+
+
+# ---------------------------------------------------------------- the class report
+
+_MARKS = {"passed": "✓", "failed": "✗", "not attempted": "·", "not run": "-"}
+
+
+def class_report(grades: list[NotebookGrade], threshold: float = DEFAULT_THRESHOLD,
+                 min_pass: int | None = None) -> dict:
+    """Per-student and per-exercise results as JSON-ready data, and whether the class is ``ok``:
+    every notebook passed (at least ``threshold`` of its points), or at least ``min_pass`` did."""
+    students = sorted(grades, key=lambda g: (g.lab if g.lab is not None else -1, -g.fraction, g.student))
+    rank: dict[int | None, int] = {}
+    notebooks = []
+    for g in students:
+        rank[g.lab] = rank.get(g.lab, 0) + 1
+        notebooks.append(dict(asdict(g), lab=g.lab, rank=rank[g.lab], points=g.points, max_points=g.max_points,
+                              fraction=round(g.fraction, 4), passed=g.fraction >= threshold - 1e-9,
+                              seconds=round(g.seconds, 1), startup=round(g.startup, 2)))
+    exercises = {}
+    for g in grades:
+        for e in g.exercises:
+            row = exercises.setdefault(e["id"], {"id": e["id"], "title": e["title"], "max_points": e["max_points"],
+                                                 "passed": 0, "failed": 0, "not attempted": 0, "not run": 0})
+            row[e["status"]] = row.get(e["status"], 0) + 1
+    for row in exercises.values():
+        attempts = row["passed"] + row["failed"] + row["not attempted"] + row["not run"]
+        row["pass_rate"] = round(row["passed"] / attempts, 4) if attempts else 0.0
+    passed = sum(n["passed"] for n in notebooks)
+    total, maximum = sum(g.points for g in grades), sum(g.max_points for g in grades)
+    return {
+        "threshold": threshold, "min_pass": min_pass, "notebooks_passed": passed, "notebook_count": len(grades),
+        "ok": passed == len(grades) if min_pass is None else passed >= min_pass,
+        "points": total, "max_points": maximum, "fraction": round(total / maximum, 4) if maximum else 0.0,
+        "seconds": round(sum(g.seconds for g in grades), 1),
+        "exercises": sorted(exercises.values(), key=lambda r: (r["pass_rate"], sort_key(r["id"]))),
+        "notebooks": notebooks,
+    }
+
+
+def format_report(report: dict) -> str:
+    """The class report as text: per lab a ranked table of students × exercises, the exercises from
+    hardest to easiest, each failure's reason, and the verdict with the threshold it applied."""
+    threshold, lines = report["threshold"], []
+    default = " (the default)" if threshold == DEFAULT_THRESHOLD else ""
+    labs = list(dict.fromkeys(n["lab"] for n in report["notebooks"]))
+    for lab in labs:
+        rows = [n for n in report["notebooks"] if n["lab"] == lab]
+        ids = sorted({e["id"] for n in rows for e in n["exercises"]}, key=sort_key)
+        name_w = max([len("student")] + [len(n["student"]) for n in rows])
+        points_w = max([len("points")] + [len(f"{n['points']}/{n['max_points']}") for n in rows])
+        head = f"{'rank':>4}  {'student':<{name_w}}  {'points':>{points_w}}  {'%':>4}  " + " ".join(
+            f"{i:^{max(len(i), 1)}}" for i in ids) + "  result  seconds"
+        title = f"lab {lab:02d}" if lab is not None else "notebooks"
+        lines += [f"{title}: {len(rows)} notebook(s); pass = at least {threshold:.0%} of the points "
+                  f"(--threshold {threshold:g}{default})", head]
+        for n in rows:
+            status = {e["id"]: e["status"] for e in n["exercises"]}
+            marks = " ".join(f"{_MARKS.get(status.get(i), ' '):^{max(len(i), 1)}}" for i in ids)
+            score = f"{n['points']}/{n['max_points']}"
+            lines.append(f"{n['rank']:>4}  {n['student']:<{name_w}}  {score:>{points_w}}  "
+                         f"{n['fraction']:>4.0%}  {marks}  {'pass' if n['passed'] else 'FAIL':<6}  {n['seconds']:>7.0f}"
+                         + (f"  {n['error']}" if n["error"] else ""))
+        lines.append("marks: ✓ passed  ✗ failed  · not attempted  - not run")
+        lab_ids = set(ids)
+        rows_e = [r for r in report["exercises"] if r["id"] in lab_ids]
+        if rows_e:
+            title_w = max(len(r["title"]) for r in rows_e)
+            lines.append("exercises, hardest first:")
+            for r in rows_e:
+                lines.append(f"  {r['id']:<6}{r['title']:<{title_w}}  {r['max_points']:>2} pt  passed "
+                             f"{r['passed']:>3}/{len(rows):<3}  failed {r['failed']:>3}  not attempted "
+                             f"{r['not attempted']:>3}  not run {r['not run']:>3}")
+        failures = [(n["student"], e) for n in rows for e in n["exercises"] if e["status"] == "failed"]
+        if failures:
+            lines.append("why checks failed:")
+            lines += [f"  {who}  {e['id']}: {e['detail']}" for who, e in failures]
+        lines.append("")
+    passed, count, min_pass = report["notebooks_passed"], report["notebook_count"], report["min_pass"]
+    rule = f"at least {min_pass} must pass (--min-pass)" if min_pass is not None else "every notebook must pass"
+    lines.append(f"{passed} of {count} notebook(s) passed the {threshold:.0%} threshold; {rule}: "
+                 f"{'ok, exit status 0' if report['ok'] else 'not ok, exit status 1'}")
+    return "\n".join(lines)

@@ -1,0 +1,204 @@
+"""What every checker shares, written once: seeds, time limits, tolerances, running code on ranks, comparing.
+
+A checker in ``grading/labNN.py`` holds its lab's cases and what its failures mean; the scaffolding around
+them lives here, so that every lab draws, runs and compares the same way and a fix reaches all of them:
+
+* :func:`lab_seed` and :func:`rank_seed`: where hidden cases and per-rank weights come from;
+* :data:`JOB_TIMEOUT`, :data:`LONG_JOB_TIMEOUT`, :data:`ATOL`, :data:`WEIGHT_ATOL`: what a time limit
+  and a tolerance are for;
+* :func:`run_on_ranks` and :func:`launch_failures_fail_the_check`: a job whose ranks deadlock, disagree
+  or never finish becomes a :class:`~distlab.grading.CheckFailed` that says so, not a traceback;
+* :func:`max_difference`, :func:`is_close` and :func:`assert_close`: a tensor against the reference,
+  the failure naming where and by how much;
+* :func:`raise_if_untouched`: an untouched stub is "not attempted" before any rank starts.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import textwrap
+from contextlib import contextmanager
+
+import torch
+
+from distlab.data_parallel import build_model, gradient_bytes
+from distlab.grading import CheckFailed
+from distlab.runtime.launch import (
+    DEFAULT_COLLECTIVE_TIMEOUT,
+    CollectiveTimeout,
+    LaunchTimeout,
+    RankFailed,
+    Run,
+    UnmatchedCommunication,
+    launch,
+)
+
+__all__ = ["JOB_TIMEOUT", "LONG_JOB_TIMEOUT", "ATOL", "WEIGHT_ATOL", "lab_seed", "rank_seed", "case_gradient_bytes",
+           "first_line", "raise_if_untouched", "launch_failures_fail_the_check", "run_on_ranks", "max_difference",
+           "is_close", "assert_close"]
+
+# Seconds one checker job may run: long enough for a rank starved on a busy laptop, short enough that an
+# endless loop outside any collective (which no collective timeout sees) fails the check instead of hanging it.
+JOB_TIMEOUT = 60.0
+# For jobs of many ranks on few cores, or many training steps per job (labs 03 and 11).
+LONG_JOB_TIMEOUT = 120.0
+# fp32 results computed in another order than the reference's (blocks, shards, ranks): values of order one
+# differ by accumulated rounding, far below what any real mistake changes.
+ATOL = 1e-5
+# Weights after a few SGD steps on ranks against one process on the whole batch: only the order of the
+# gradient reduction differs, so a wrong scaling factor of even 1% is far above it.
+WEIGHT_ATOL = 1e-6
+
+
+# ---------------------------------------------------------------- where cases come from
+
+def lab_seed(lab: int) -> int:
+    """The seed of lab ``lab``'s hidden cases (lab 3 → 3_2024).
+
+    Fixed, so a notebook's check lines read the same on every run and a failure can be reproduced;
+    different per lab, so no two labs draw the same cases.
+    """
+    return lab * 10_000 + 2024
+
+
+def rank_seed(seed: int, rank: int) -> int:
+    """The seed a rank builds its model from: rank 0 the case's, every other rank its own.
+
+    The replicas start different on purpose: only code that broadcasts rank 0's weights ends up with
+    the single-process reference's, so a forgotten broadcast fails the check.
+    """
+    return seed if rank == 0 else seed + 1000 * rank + 1
+
+
+def case_gradient_bytes(case) -> int:
+    """The bytes of every gradient of ``case``'s model (``case.model``, ``case.cfg``, ``case.seed``):
+    a tied weight once, frozen weights never. One all-reduce of each per step is what DDP moves, and
+    what a DDP or ZeRO step's traffic is held to."""
+    return gradient_bytes(build_model(case.model, case.cfg, seed=case.seed))
+
+
+# ---------------------------------------------------------------- running the student's code
+
+def first_line(error, limit: int = 300) -> str:
+    """The first line of an error (or of a message), at most ``limit`` characters: a launch error's first line
+    says what happened, the lines after it are tracebacks and per-rank details a result line has no room for."""
+    lines = str(error).strip().splitlines()
+    return lines[0][:limit] if lines else ""
+
+
+def raise_if_untouched(*student_code) -> None:
+    """Raise the stub's ``NotImplementedError`` now when a function (or a method of a class) the student
+    hands in is still exactly its stub, so an unfinished exercise is "not attempted" without starting ranks.
+
+    Only a body that is nothing but ``raise NotImplementedError("Exercise …")`` counts; anything the
+    student wrote runs on the ranks as usual.
+    """
+    for code in student_code:
+        functions = [code] if callable(code) and not inspect.isclass(code) else [
+            member for _, member in inspect.getmembers(code, inspect.isfunction)]
+        for fn in functions:
+            message = _stub_message(fn)
+            if message is not None:
+                raise NotImplementedError(message)
+
+
+def _stub_message(fn) -> str | None:
+    try:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
+    except (OSError, TypeError, SyntaxError):
+        return None
+    node = tree.body[0] if tree.body else None
+    if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+        return None
+    body = [statement for statement in node.body
+            if not (isinstance(statement, ast.Expr) and isinstance(statement.value, ast.Constant))]  # docstrings
+    if len(body) != 1 or not isinstance(body[0], ast.Raise) or not isinstance(body[0].exc, ast.Call):
+        return None
+    call = body[0].exc
+    if getattr(call.func, "id", None) != "NotImplementedError" or not call.args:
+        return None
+    text = getattr(call.args[0], "value", None)
+    return text if isinstance(text, str) and text.startswith("Exercise ") else None
+
+
+@contextmanager
+def launch_failures_fail_the_check(what: str, world_size: int, advice: str = "", timeout: float = JOB_TIMEOUT):
+    """Inside the block, ranks that never finish or do not make matching calls fail the check.
+
+    A deadlock (:class:`CollectiveTimeout`), calls that do not pair up (:class:`UnmatchedCommunication`, or
+    a rank's ``CollectiveMismatch``) and a job past ``timeout`` (an endless loop) are the student's
+    mistakes, not crashes of the grader: each becomes a :class:`CheckFailed` that names ``what`` ran
+    ("your ring"), on how many ranks, and what the launcher saw (its first line). ``advice`` is the
+    lab's usual cause; without it, the launcher's own hint for what it saw. Any other error propagates.
+    """
+    try:
+        yield
+    except (CollectiveTimeout, UnmatchedCommunication, RankFailed) as error:
+        if isinstance(error, RankFailed) and "CollectiveMismatch" not in str(error):  # on any rank, lead or not
+            raise
+        how = "deadlocked" if isinstance(error, CollectiveTimeout) else "made calls that do not match"
+        hint = getattr(error, "hint", "")
+        advice = advice or (f"Hint: {hint}" if hint else "")
+        raise CheckFailed(f"{what} {how} on {world_size} ranks: {first_line(error)} {advice}".rstrip()) from None
+    except LaunchTimeout:
+        raise CheckFailed(f"{what} did not finish within {timeout:g} s on {world_size} ranks "
+                          "(an endless loop?)") from None
+
+
+def run_on_ranks(worker, world_size: int, *args, what: str, advice: str = "", kwargs: dict | None = None,
+                 backend: str = "gloo", collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT,
+                 timeout: float = JOB_TIMEOUT) -> Run:
+    """``worker(*args, **kwargs)`` on ``world_size`` warm ranks, quietly; launch failures fail the check
+    (:func:`launch_failures_fail_the_check`, with ``what`` and ``advice``).
+
+    Warm ranks are kept per world size, backend and collective timeout: with the ones the notebook's cells
+    use (the defaults: gloo, distlab's collective timeout) a check starts no process.
+    """
+    with launch_failures_fail_the_check(what, world_size, advice, timeout):
+        return launch(worker, world_size, args, kwargs, warm=True, show_output=False, backend=backend,
+                      collective_timeout=collective_timeout, timeout=timeout)
+
+
+# ---------------------------------------------------------------- comparing with the reference
+
+def max_difference(got: torch.Tensor, expected: torch.Tensor) -> tuple[float, tuple[int, ...]]:
+    """The largest ``|got - expected|`` (in float64) and its index; ``(0.0, ())`` for empty tensors.
+
+    Equal infinities (a fully masked row's ``-inf``) do not differ; a NaN on either side differs
+    infinitely, so no tolerance lets it pass.
+    """
+    if not got.numel():
+        return 0.0, ()
+    got, expected = got.detach().double(), expected.detach().double()
+    diff = (got - expected).abs()
+    diff = torch.where(torch.isinf(got) & (got == expected), torch.zeros_like(diff), diff)
+    diff = torch.where(torch.isnan(diff), torch.full_like(diff, torch.inf), diff)
+    index = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape))
+    return diff.max().item(), index
+
+
+def is_close(got, expected: torch.Tensor, atol: float = ATOL, rtol: float = 0.0) -> bool:
+    """Whether ``got`` is a tensor of ``expected``'s shape within ``atol + rtol·|expected|`` everywhere
+    (equal infinities are close, a NaN never is): the test behind a check, and behind "does the answer
+    match this known mistake?" hints. ``rtol`` for values whose scale varies with the case."""
+    if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(expected.shape):
+        return False
+    return bool(torch.isclose(got.detach().double(), expected.detach().double(), rtol=rtol, atol=atol).all())
+
+
+def assert_close(where: str, what: str, got, expected: torch.Tensor, atol: float = ATOL, hint: str = "") -> None:
+    """Raise :class:`CheckFailed` unless ``got`` is a tensor of ``expected``'s shape within ``atol`` everywhere.
+
+    The message starts with ``where`` (the case, the rank) and ``what`` (the tensor), then says how far
+    off it is and shows the worst element beside its expected value, then ``hint``: the usual cause.
+    """
+    if not isinstance(got, torch.Tensor):
+        raise CheckFailed(f"{where}: {what} should be a tensor, got {type(got).__name__}")
+    if tuple(got.shape) != tuple(expected.shape):
+        raise CheckFailed(f"{where}: {what} has shape {tuple(got.shape)}, expected {tuple(expected.shape)}")
+    diff, index = max_difference(got, expected)
+    if diff > atol:
+        raise CheckFailed(f"{where}: {what} differs from the reference by up to {diff:.3g}, more than {atol:g} "
+                          f"(at {list(index)}: {got[index].item():.6g}, expected {expected[index].item():.6g})"
+                          + (f": {hint}" if hint else ""))

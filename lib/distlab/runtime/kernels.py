@@ -1,0 +1,322 @@
+"""The Jupyter kernels notebooks run in: forked warm from one factory process, and the client that drives them.
+
+A fresh kernel imports torch and distlab, and its first launch starts a forkserver that imports torch
+again: seconds of CPU per notebook before any of its cells runs. A :class:`KernelFactory` pays that
+once: one process imports everything (and whatever modules its caller names, e.g. every lab's checkers)
+and starts distlab's forkserver, and each notebook gets a kernel *forked* from it (its own process,
+nothing shared with the other kernels but the read-only imports and the forkserver its ranks are
+started from). :func:`kernel_manager_class` and :func:`notebook_client` run a notebook on such a kernel,
+or on a fresh one.
+
+Linux only for the factory (``fork`` and file descriptors passed over a Unix socket); everywhere else
+kernels start fresh. Who preloads what is the caller's business: this module imports nothing of
+distlab outside the runtime.
+"""
+
+from __future__ import annotations
+
+import atexit
+import importlib
+import json
+import os
+import queue
+import random
+import select
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import traceback
+from multiprocessing import forkserver, resource_tracker
+from pathlib import Path
+from typing import Sequence
+
+import nbformat
+import numpy
+
+from distlab.runtime.group import forkserver_context
+
+__all__ = ["KernelFactory", "serve_kernels", "kernel_manager_class", "notebook_client", "SHELL_POLL_SECONDS"]
+
+# Started by jupyter_client as the "kernel": it asks the factory for a forked kernel, hands it its
+# stdio and a lifeline (the kernel exits when this process does, however it ends), forwards signals
+# (interrupts) and exits with the kernel's status. It imports nothing heavy, and has no braces:
+# jupyter_client substitutes {names} in a kernel's arguments.
+_KERNEL_SHIM = r"""
+import json, os, signal, socket, sys
+address, argv = sys.argv[1], sys.argv[2:]
+sock = socket.socket(socket.AF_UNIX)
+sock.connect(address)
+lifeline_r, lifeline_w = os.pipe()
+socket.send_fds(sock, [b"k"], [0, 1, 2, lifeline_r])
+os.close(lifeline_r)
+sock.sendall(json.dumps(dict(argv=argv, cwd=os.getcwd(), env=dict(os.environ))).encode() + b"\n")
+stream = sock.makefile("rb")
+pid = int(stream.readline())
+def forward(signum, frame):
+    try:
+        os.kill(pid, signum)
+    except ProcessLookupError:
+        pass
+for name in ("SIGINT", "SIGTERM", "SIGHUP", "SIGQUIT", "SIGUSR1", "SIGUSR2"):
+    signal.signal(getattr(signal, name), forward)
+line = stream.readline()
+if not line.strip():
+    forward(signal.SIGKILL, None)
+sys.exit(int(line) if line.strip() else 1)
+"""
+
+
+class KernelFactory:
+    """One process that imported ipykernel, torch, matplotlib, distlab and the modules in ``preload``, and
+    started distlab's forkserver; every kernel it makes is a fork of it, so a notebook starts warm.
+
+    ``preload`` names what every kernel will import anyway (a grader passes the labs' checker modules,
+    and through them the topics'): imported once here, before the forks, it costs each kernel nothing.
+    Forked kernels share nothing writable: each student's code runs in its own process,
+    and its ranks are forked from the shared forkserver (which only ever imported torch).
+    Linux only (it needs ``fork`` and passing file descriptors over a Unix socket).
+    """
+
+    READY_TIMEOUT = 180.0
+
+    def __init__(self, preload: Sequence[str] = ()):
+        if not self.available():
+            raise RuntimeError("a warm kernel factory needs Linux (fork and Unix-socket fd passing)")
+        self._dir = tempfile.mkdtemp(prefix="distlab-kernels-")
+        self.address = os.path.join(self._dir, "factory")
+        code = "import sys; from distlab.runtime.kernels import serve_kernels; serve_kernels(sys.argv[1], sys.argv[2:])"
+        self._process = subprocess.Popen([sys.executable, "-c", code, self.address, *preload],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
+        ready, _, _ = select.select([self._process.stdout], [], [], self.READY_TIMEOUT)
+        line = self._process.stdout.readline() if ready else b""
+        if line.strip() != b"ready":
+            self.close()
+            raise RuntimeError(f"the kernel factory did not start (it said {line!r})")
+
+    @staticmethod
+    def available() -> bool:
+        return sys.platform.startswith("linux") and hasattr(socket, "send_fds") and hasattr(os, "fork")
+
+    def kernel_argv(self) -> list[str]:
+        return [sys.executable, "-c", _KERNEL_SHIM, self.address, "-f", "{connection_file}"]
+
+    def close(self) -> None:
+        """Stop the factory; kernels still running are ended by it."""
+        if self._process.poll() is None:
+            self._process.stdin.close()
+            try:
+                self._process.wait(timeout=10)
+            except subprocess.TimeoutExpired:
+                self._process.kill()
+                self._process.wait()
+        self._process.stdout.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+    def __enter__(self) -> "KernelFactory":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+def serve_kernels(address: str, preload: Sequence[str] = ()) -> None:
+    """The factory process: import once (``preload`` too), start the forkserver, then fork a kernel per request.
+
+    Ends (and kills its kernels) when its standard input closes, i.e. when the grader ends.
+    """
+    os.environ.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+    import ipykernel.kernelapp  # noqa: F401, PLC0415  what every kernel imports; only the factory needs it
+    import matplotlib.pyplot  # noqa: F401, PLC0415  after MPLBACKEND is set: the backend is chosen on import
+
+    for module in preload:
+        importlib.import_module(module)
+    context = forkserver_context()
+    if context.get_start_method() == "forkserver":
+        # The server answers only once it has imported torch: fork one process through it now, so that
+        # the kernels' first launch does not wait for those imports.
+        probe = context.Process(target=os.getpid, name="distlab-factory-probe")
+        probe.start()
+        probe.join()
+    listener = socket.socket(socket.AF_UNIX)
+    listener.bind(address)
+    listener.listen(64)
+    kernels: dict[int, socket.socket] = {}
+    print("ready", flush=True)
+    try:
+        while True:
+            ready, _, _ = select.select([listener, sys.stdin], [], [], 0.05)
+            if sys.stdin in ready and not os.read(sys.stdin.fileno(), 1024):
+                return
+            if listener in ready:
+                conn, _ = listener.accept()
+                _, fds, _, _ = socket.recv_fds(conn, 1, 4)
+                request = json.loads(conn.makefile("rb").readline())
+                pid = os.fork()
+                if pid == 0:
+                    listener.close()
+                    for other in [conn, *kernels.values()]:
+                        other.close()
+                    _become_kernel(request, fds)  # never returns
+                for fd in fds:
+                    os.close(fd)
+                conn.sendall(f"{pid}\n".encode())
+                kernels[pid] = conn
+            for pid, conn in list(kernels.items()):
+                done, status = os.waitpid(pid, os.WNOHANG)
+                if done:
+                    try:
+                        conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
+                    except OSError:
+                        pass
+                    conn.close()
+                    del kernels[pid]
+    finally:
+        for pid in kernels:
+            try:
+                os.kill(pid, signal.SIGKILL)
+            except ProcessLookupError:
+                pass
+
+
+def _become_kernel(request: dict, fds: list[int]) -> None:
+    """In a freshly forked child of the factory: become an IPython kernel, then exit."""
+    code = 1
+    try:
+        for target, fd in zip((0, 1, 2), fds[:3]):
+            os.dup2(fd, target)
+            os.close(fd)
+        lifeline = fds[3]
+
+        def exit_with_the_shim():
+            while os.read(lifeline, 1):
+                pass
+            os._exit(1)
+
+        threading.Thread(target=exit_with_the_shim, daemon=True, name="distlab-lifeline").start()
+        os.chdir(request["cwd"])
+        os.environ.clear()
+        os.environ.update(request["env"])
+        random.seed()  # forked children would otherwise all draw the factory's random numbers
+        numpy.random.seed()
+        _adopt_forkserver()
+        from ipykernel.kernelapp import IPKernelApp  # noqa: PLC0415  imported by the factory before it forked
+
+        app = IPKernelApp.instance()
+        # read from the environment when ipykernel was imported, i.e. in the factory: set it for this kernel
+        app.parent_handle = int(os.environ.get("JPY_PARENT_PID") or 0)
+        app.initialize(request["argv"])
+        app.start()
+        code = 0
+    except SystemExit as stop:
+        code = stop.code if isinstance(stop.code, int) else 0
+    except BaseException:  # noqa: BLE001  reported on the kernel's stderr, then the kernel is gone
+        traceback.print_exc()
+    finally:
+        try:
+            atexit._run_exitfuncs()
+            sys.stdout.flush()
+            sys.stderr.flush()
+        finally:
+            os._exit(code)
+
+
+def _adopt_forkserver() -> None:
+    """A kernel forked from the factory starts its ranks from the factory's forkserver.
+
+    The forked kernel inherits the server's address and "alive" pipe, but the server is
+    not its child, so multiprocessing's own liveness check (``waitpid``) would fail: check
+    with a signal 0 instead, and start a server of our own only if the factory's is gone.
+    """
+    server = getattr(forkserver, "_forkserver", None)
+    pid = getattr(server, "_forkserver_pid", None)
+    if pid is None:
+        return
+    start_own = type(server).ensure_running.__get__(server)
+
+    def ensure_running():
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            if server._forkserver_alive_fd is not None:
+                os.close(server._forkserver_alive_fd)
+            server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None
+            server.ensure_running = start_own
+            return start_own()
+        resource_tracker.ensure_running()
+
+    server.ensure_running = ensure_running
+
+
+def kernel_manager_class(workdir: str, factory: KernelFactory | None = None):
+    """An AsyncKernelManager over IPC sockets in ``workdir`` (no TCP port, so no "running over TCP
+    without encryption" warning), whose kernels come from ``factory`` when one is given."""
+    from jupyter_client import AsyncKernelManager  # noqa: PLC0415  only running a notebook needs jupyter_client
+    from jupyter_client.kernelspec import KernelSpec  # noqa: PLC0415  as above
+
+    class Manager(AsyncKernelManager):
+        def __init__(self, **kwargs):
+            super().__init__(**kwargs)
+            if os.name == "posix":
+                self.transport = "ipc"
+                self.ip = os.path.join(tempfile.mkdtemp(dir=workdir), "kernel")
+
+        @property
+        def kernel_spec(self):
+            if factory is None:
+                return super().kernel_spec
+            return KernelSpec(argv=factory.kernel_argv(), display_name="Python 3 (distlab warm)", language="python")
+
+    return Manager
+
+
+# ---------------------------------------------------------------- driving a notebook
+
+SHELL_POLL_SECONDS = 1.0
+
+
+def _poll_shell_in_slices(channel) -> None:
+    """Wait for shell replies in slices of :data:`SHELL_POLL_SECONDS` instead of one long wait.
+
+    nbclient waits for a cell's ``execute_reply`` with a single ``get_msg(timeout=<the cell's
+    whole time limit>)``. When the cell displays ipywidgets, nbclient also *sends* on the shell
+    socket while that wait is pending, and the asyncio zmq poll can miss the reply's arrival
+    (jupyter/nbclient#312): the kernel is idle, the reply sits in the socket, and the wait lasts
+    until the time limit — a stub lab with a widget then "hung" for 600 s under load. A fresh
+    poll sees the waiting message, so waiting in slices bounds that miss to one slice.
+    """
+    wait = channel.get_msg
+
+    async def get_msg(timeout: float | None = None):
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while True:
+            left = None if deadline is None else max(0.0, deadline - time.monotonic())
+            try:
+                return await wait(timeout=SHELL_POLL_SECONDS if left is None else min(SHELL_POLL_SECONDS, left))
+            except queue.Empty:
+                if deadline is not None and time.monotonic() >= deadline:
+                    raise
+
+    channel.get_msg = get_msg
+
+
+def notebook_client(notebook: nbformat.NotebookNode, path: Path, manager_class, allow_errors: bool, timeout_func):
+    """An nbclient client that runs ``notebook`` in its own folder on ``manager_class``'s kernels
+    (:func:`kernel_manager_class`), each cell within ``timeout_func(cell)`` seconds, waiting for shell
+    replies in slices (:func:`_poll_shell_in_slices`)."""
+    from nbclient import NotebookClient  # noqa: PLC0415  only running a notebook needs nbclient
+
+    class Client(NotebookClient):
+        async def async_start_new_kernel_client(self):
+            client = await super().async_start_new_kernel_client()
+            _poll_shell_in_slices(client.shell_channel)
+            return client
+
+    return Client(notebook, timeout_func=timeout_func, allow_errors=allow_errors,
+                  kernel_name=notebook.metadata.get("kernelspec", {}).get("name", "python3"),
+                  kernel_manager_class=manager_class,
+                  resources={"metadata": {"path": str(Path(path).resolve().parent)}})
