@@ -11,7 +11,7 @@ SHARED := $(abspath ../shared)
 
 export TIKTOKEN_CACHE_DIR ?= $(if $(wildcard $(SHARED)/tiktoken_cache),$(SHARED)/tiktoken_cache,)
 
-.PHONY: install lab test test-latest lock browser-deps solutions labs bench clean
+.PHONY: install lab test test-latest lock browser-deps solutions labs bench gpu-check clean
 
 # Every dependency but torch installs at the exact version in $(LOCK) (one file, every transitive version,
 # Python 3.10-3.13 on Linux and macOS), so a course that passes today passes next term. `make lock` writes it;
@@ -26,7 +26,9 @@ $(STAMP): pyproject.toml $(LOCK)
 	# cloudpickle 3.1.2, the last release that kept code objects' file names, beside the locked one:
 	# tests/test_payload.py runs the ranks' error reports under both
 	$(PY) -m pip install -q --no-deps --upgrade --target $(VENV)/compat/cloudpickle-3.1.2 cloudpickle==3.1.2
-	$(PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
+	# The kernel spec names the venv's python by its real path: installed through a symlinked .venv (the
+	# instructor guide's test does that) it must not point at the link's folder, which goes away.
+	"$$(cd $(VENV) && pwd -P)/bin/python" -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $(STAMP)
 
 install: $(STAMP)
@@ -104,3 +106,8 @@ bench: install
 
 clean:
 	rm -rf $(VENV) .pytest_cache
+
+# Every CUDA path of the course on this machine's GPUs, within a time budget; without a GPU it says so in one
+# line. Writes benchmarks/results/gpu.json and gpu.txt (CONTRIBUTING: "GPU evidence").
+gpu-check: install
+	$(PY) benchmarks/gpu_check.py

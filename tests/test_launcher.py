@@ -54,6 +54,18 @@ def test_world_size_one_runs():
     assert list(distlab.launch(lambda: dist.get_world_size(), 1, **FAST)) == [1]
 
 
+def test_distlab_backend_sets_the_backend_of_launches_that_name_none(monkeypatch):
+    monkeypatch.setenv("DISTLAB_BACKEND", "gloo")
+    assert distlab.launch(lambda: dist.get_backend(), 2, **FAST) == ["gloo", "gloo"]
+    monkeypatch.setenv("DISTLAB_BACKEND", "nccl")
+    if not torch.cuda.is_available():
+        with pytest.raises(ValueError, match="backend='nccl' needs one CUDA GPU per rank"):
+            distlab.launch(lambda: None, 2)
+    monkeypatch.setenv("DISTLAB_BACKEND", "mpi")
+    with pytest.raises(ValueError, match="DISTLAB_BACKEND must be 'auto', 'gloo' or 'nccl', got 'mpi'"):
+        distlab.launch(lambda: None, 2)
+
+
 @pytest.mark.parametrize("world_size", [0, -2, 2.5, "4", 1000])
 def test_bad_world_size_is_refused_before_any_process_starts(world_size):
     with pytest.raises(ValueError, match="world_size"):

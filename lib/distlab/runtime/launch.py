@@ -95,12 +95,21 @@ class Run(list):
 _SAID_CPU_FALLBACK: set[int] = set()  # world sizes already told that they run on the CPU despite a GPU
 
 
+BACKEND_ENV = "DISTLAB_BACKEND"  # the backend a launch uses when it asks for 'auto'
+
+
 def resolve_backend(backend: str, world_size: int) -> str:
     """Pick gloo or NCCL, or say clearly why the requested one cannot run here."""
     if not isinstance(world_size, int) or isinstance(world_size, bool) or world_size < 1:
         raise ValueError(f"world_size must be a positive integer, got {world_size!r}")
     if backend not in ("auto", "gloo", "nccl"):
         raise ValueError(f"backend must be 'auto', 'gloo' or 'nccl', got {backend!r}")
+    if backend == "auto" and os.environ.get(BACKEND_ENV):
+        # A machine-wide choice for every launch that names no backend: a grader forcing gloo on a GPU box,
+        # or a GPU check asking every notebook for NCCL.
+        backend = os.environ[BACKEND_ENV].strip().lower()
+        if backend not in ("auto", "gloo", "nccl"):
+            raise ValueError(f"{BACKEND_ENV} must be 'auto', 'gloo' or 'nccl', got {os.environ[BACKEND_ENV]!r}")
     gpus = torch.cuda.device_count() if torch.cuda.is_available() else 0
     if backend == "auto":
         backend = "nccl" if gpus >= world_size and sys.platform.startswith("linux") else "gloo"
