@@ -76,3 +76,25 @@ def test_small_shm_warns(monkeypatch):
 def test_warnings_show_their_hint_and_ok_lines_do_not():
     assert "→" not in Check("x", OK, "fine", "unused hint").line()
     assert Check("x", WARN, "meh", "do this").line().endswith("→ do this")
+
+
+def test_lock_drift_compares_only_the_pins_whose_marker_holds_here(tmp_path, capsys):
+    import sys
+
+    import cloudpickle
+
+    from distlab.cli import main
+
+    here = f"{sys.version_info.major}.{sys.version_info.minor}"
+    lock = tmp_path / "requirements.lock"
+    lock.write_text(
+        "# a comment\n"
+        f"cloudpickle==0.0.1 ; python_version != '{here}'\n"  # pinned for another Python: not compared
+        f"cloudpickle=={cloudpickle.__version__} ; python_version == '{here}'\n"
+        "    # via distlab\n"
+        "not-installed-anywhere==1.0\n", encoding="utf-8")
+    assert main(["lock-drift", str(lock)]) == 0
+    assert capsys.readouterr().out.strip() == f"0 package(s) differ from {lock}"
+    lock.write_text("cloudpickle==0.0.1\n", encoding="utf-8")
+    main(["lock-drift", str(lock)])
+    assert f"cloudpickle: locked 0.0.1, newest allowed {cloudpickle.__version__}" in capsys.readouterr().out

@@ -5,13 +5,13 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
-import re
 import sys
 import time
 from importlib import metadata
 from pathlib import Path
 
 import nbformat
+from packaging.requirements import Requirement
 
 from distlab.grading.classroom import DEFAULT_THRESHOLD, DEFAULT_TIMEOUT, class_report, format_report, grade_notebooks
 from distlab.notebooks import build_labs, execute
@@ -69,20 +69,25 @@ def _grade(args) -> int:
 
 
 def _lock_drift(args) -> int:
-    """Print every locked package whose installed version differs: what the next `make lock` would change."""
-    pin = re.compile(r"^([A-Za-z0-9_.\-]+)==([^\s;]+)")
+    """Print every locked package whose installed version differs: what the next `make lock` would change.
+
+    The lock is universal: a package may be pinned once per Python version or platform, each pin behind an
+    environment marker. Only the pins whose marker holds here are compared.
+    """
     drift = []
     for line in Path(args.lock).read_text(encoding="utf-8").splitlines():
-        match = pin.match(line)
-        if not match:
+        if not line or line[0] in "# -":
             continue
-        name, locked = match.groups()
+        requirement = Requirement(line)
+        if requirement.marker is not None and not requirement.marker.evaluate():
+            continue  # pinned for another Python or platform
+        locked = next(iter(requirement.specifier)).version
         try:
-            installed = metadata.version(name)
+            installed = metadata.version(requirement.name)
         except metadata.PackageNotFoundError:
-            continue  # locked for another platform or Python (its marker does not apply here)
+            continue
         if installed != locked:
-            drift.append(f"  {name}: locked {locked}, newest allowed {installed}")
+            drift.append(f"  {requirement.name}: locked {locked}, newest allowed {installed}")
     print(f"{len(drift)} package(s) differ from {args.lock}" + (":" if drift else ""))
     if drift:
         print("\n".join(drift))
