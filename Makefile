@@ -4,6 +4,10 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# The venv's python by its real path. pip writes the interpreter it ran under into every script it installs
+# (`distlab`, `jupyter`) and the kernel spec names it: installed through a symlinked .venv (the instructor
+# guide's test does that) they must not point at the link's folder, which goes away.
+REAL_PY = "$$(cd $(VENV) && pwd -P)/bin/python"
 LOCK := requirements.lock
 LATEST := .venv-latest
 TORCH_PIN := torch==2.13.0
@@ -18,17 +22,16 @@ export TIKTOKEN_CACHE_DIR ?= $(if $(wildcard $(SHARED)/tiktoken_cache),$(SHARED)
 # CONTRIBUTING says when. torch stays outside the lock: installed only where missing, the CPU wheel by default.
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
-	$(PY) -m pip install -q --upgrade pip
+	$(REAL_PY) -m pip install -q --upgrade pip
 	# Install torch only where it is missing: never replace a torch Colab/Kaggle/the user brought.
-	$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q "$(TORCH_PIN)" || $(PY) -m pip install -q "torch>=2.8"
-	$(PY) -m pip install -q -r $(LOCK)
-	$(PY) -m pip install -q --no-deps -e .
+	$(REAL_PY) -c "import torch" 2>/dev/null || $(REAL_PY) -m pip install -q "$(TORCH_PIN)" || \
+		$(REAL_PY) -m pip install -q "torch>=2.8"
+	$(REAL_PY) -m pip install -q -r $(LOCK)
+	$(REAL_PY) -m pip install -q --no-deps -e .
 	# cloudpickle 3.1.2, the last release that kept code objects' file names, beside the locked one:
 	# tests/test_payload.py runs the ranks' error reports under both
-	$(PY) -m pip install -q --no-deps --upgrade --target $(VENV)/compat/cloudpickle-3.1.2 cloudpickle==3.1.2
-	# The kernel spec names the venv's python by its real path: installed through a symlinked .venv (the
-	# instructor guide's test does that) it must not point at the link's folder, which goes away.
-	"$$(cd $(VENV) && pwd -P)/bin/python" -m ipykernel install --sys-prefix --name python3 >/dev/null
+	$(REAL_PY) -m pip install -q --no-deps --upgrade --target $(VENV)/compat/cloudpickle-3.1.2 cloudpickle==3.1.2
+	$(REAL_PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
 	touch $(STAMP)
 
 install: $(STAMP)

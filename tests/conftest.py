@@ -34,3 +34,14 @@ def no_leftover_ranks():
         time.sleep(0.05)
     left = rank_processes()
     assert not left, f"rank processes left behind: {[(p.pid, p.name()) for p in left]}"
+
+
+@pytest.fixture(autouse=True)
+def references_are_right_answers(request, monkeypatch):
+    """Tests prove a checker right by handing it the library's own answer (and wrong answers built on it), which
+    `distlab.check` scores 0 for a student (`grading/integrity.py`). Here that detection is off, except in tests
+    marked `pass_through`, which test it."""
+    if request.node.get_closest_marker("pass_through") is None:
+        from distlab import grading
+
+        monkeypatch.setattr(grading, "reference_use", lambda student_code, references: None)

@@ -1,5 +1,10 @@
 """A student's lab in a real browser: JupyterLab on localhost, headless Chromium, the real UI.
 
+A second test answers one exercise of lab 12 wrong (the data order is not restored on resume), runs All, and
+finds the exercise's ✗ line, every later cell executed, no traceback anywhere (the cell of the Young/Daly widget
+says in one line to finish exercise 12.4, which is left undone), and the same per-exercise results from
+`distlab grade` on the same notebook.
+
 Lab 01 is opened from a temporary copy of labs/ with its stubs in place and run with Run > Run
 All Cells. The test then reads what the page shows: every cell ran and none raised, the
 matplotlib figures are PNG images the browser decoded, the exercise stubs show their
@@ -17,7 +22,11 @@ import sys
 import time
 from pathlib import Path
 
+import nbformat
 import pytest
+
+from distlab.grading.classroom import grade_notebook
+from wrong_answers import wrong_lab
 
 from browser import Chromium, JupyterLab, NotebookPage, find_chromium
 
@@ -122,7 +131,7 @@ def test_lab_runs_in_jupyterlab_in_chromium(jupyter, browser, shots):
           f"{' -> '.join(answers)}; screenshots in {shots}")
 
 
-def assert_no_cell_raised(page: NotebookPage, notebook: Path, n_code_cells: int) -> None:
+def assert_no_cell_raised(page: NotebookPage, notebook: Path, n_code_cells: int) -> dict:
     """File > Save Notebook writes what the page holds: every code cell ran, none holds an error."""
     before = notebook.stat().st_mtime_ns
     page.menu("File", "Save Notebook")
@@ -132,9 +141,10 @@ def assert_no_cell_raised(page: NotebookPage, notebook: Path, n_code_cells: int)
     assert len(cells) == n_code_cells, f"saved {len(cells)} code cells, the page showed {n_code_cells}"
     errors = [f"code cell {i + 1} ({c['source'].splitlines()[0][:50]!r}...): {o['ename']}: {o['evalue']}"
               for i, c in enumerate(cells) for o in c["outputs"] if o["output_type"] == "error"]
-    assert not errors, f"the stub lab must run top to bottom, but cells raised: {errors}"
+    assert not errors, f"the lab must run top to bottom, but cells raised: {errors}"
     not_run = [i + 1 for i, c in enumerate(cells) if c["execution_count"] is None]
     assert not not_run, f"Run All Cells left code cells {not_run} unexecuted"
+    return saved
 
 
 def assert_stub_and_figures(page: NotebookPage) -> None:
@@ -194,3 +204,37 @@ def _read(path: Path):
     except (OSError, ValueError):
         return None
     return nb if any(c.get("outputs") for c in nb["cells"] if c["cell_type"] == "code") else None
+
+
+WRONG_LAB = "12_fault_tolerance.ipynb"
+WRONG_EXERCISE = "12.1"
+FORGOT_THE_DATA_ORDER = {'self.order.load_state_dict(state["data"])': "pass  # the data order is not restored"}
+RESULT_LINE = re.compile(r"^(?P<mark>[✓✗·]) (?:Exercise|Question) (?P<id>Q?\d+\.\d+) ", re.MULTILINE)
+
+
+def test_a_wrong_answer_reaches_its_check_in_run_all_and_grades_the_same(jupyter, browser, shots, tmp_path):
+    lab = wrong_lab(WRONG_LAB, WRONG_EXERCISE, FORGOT_THE_DATA_ORDER)
+    nbformat.write(lab, jupyter.root_dir / WRONG_LAB)
+    graded_copy = tmp_path / "student" / WRONG_LAB
+    graded_copy.parent.mkdir()
+    nbformat.write(lab, graded_copy)
+    page = NotebookPage(browser, shots)
+    with page.screenshot_on_failure():
+        page.open(f"{jupyter.url}/lab/tree/{WRONG_LAB}?token={jupyter.token}", timeout=LOAD)
+        cells = page.run_all(timeout=RUN_ALL)["prompts"]
+        page.screenshot("5-wrong-answer-after-run-all")
+        assert_no_cell_raised(page, jupyter.root_dir / WRONG_LAB, len(cells))
+        texts = [o["text"] for o in page.driver.execute_script(OUTPUTS_JS)]
+        shown = {m["id"]: m["mark"] for text in texts for m in RESULT_LINE.finditer(text)}
+        assert shown.get(WRONG_EXERCISE) == "✗", f"no '✗ Exercise {WRONG_EXERCISE}' line on the page: {shown}"
+        tracebacks = [t[:300] for t in texts if "Traceback" in t or "NotImplementedError" in t]
+        assert not tracebacks, f"a traceback is on the page (a widget's callback included): {tracebacks}"
+        unfinished = [line for t in texts for line in t.splitlines() if "finish exercise 12.4" in line]
+        assert "· finish exercise 12.4 to see this" in unfinished, (
+            f"the Young/Daly widget of the unfinished exercise 12.4 should say to finish it: {unfinished}")
+    grade = grade_notebook(graded_copy, timeout=600)
+    graded = {e["id"]: {"passed": "✓", "failed": "✗", "not attempted": "·"}.get(e["status"], "-")
+              for e in grade.exercises}
+    assert graded == shown, f"distlab grade {graded} differs from what the page showed {shown}"
+    assert grade.cell_errors == [] and grade.error is None, (grade.cell_errors, grade.error)
+    print(f"browser test, wrong answer: {len(cells)} code cells ran; page and grader agree on {shown}")

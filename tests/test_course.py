@@ -62,3 +62,21 @@ def test_interview_map_points_at_sections_that_exist():
         assert not (missing := [c for c in cited if c not in headings]), f"{missing} are no notebook headings"
     for chapter in re.findall(r"\]\((\w+\.md)\)", text):
         assert (REPO / "course" / chapter).exists(), chapter
+
+
+# A figure with a unit (bytes, time, rate) or an unqualified percentage in a chapter's table is a measurement or a
+# derived number; a threshold written with ≤/≥ is a rule. Formulas ($…$) and code (`…`) are not figures.
+_TABLE_FIGURE = re.compile(r"(?<![\w.≤≥<>])(?<![≤≥<>] )\d[\d,]*(\.\d+)?\s*(GiB|GB|MiB|MB|KiB|KB|TB|ms|µs|s|min|h|days"
+                           r"|TFLOP/s|GB/s|tokens/s|%)(?![\w/])")
+_FENCED = re.compile(r"^```.*?^```", re.MULTILINE | re.DOTALL)
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda p: p.name)
+def test_tables_of_figures_are_quoted_outputs(chapter):
+    """A table that shows measured or computed figures is printed by a cell and quoted in an ```output block
+    (checked above), never typed into the chapter, where it would go stale when the code or the model changes."""
+    text = _FENCED.sub("", chapter.read_text(encoding="utf-8"))
+    text = re.sub(r"\$[^$\n]*\$|`[^`\n]*`", "", text)
+    typed = [line for line in text.splitlines() if line.startswith("|") and _TABLE_FIGURE.search(line)]
+    assert not typed, (f"{chapter.name}: these table rows show figures no cell printed; print the table in the "
+                       f"solution notebook and quote it in an ```output block:\n" + "\n".join(typed))

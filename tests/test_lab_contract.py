@@ -49,9 +49,48 @@ def test_needs_turns_an_unfinished_exercise_into_one_line(capsys):
         stub()
         raise AssertionError("never reached")
     assert capsys.readouterr().out == "· finish exercise 9.1 to see this\n"
+
+
+def test_needs_lets_run_all_go_on_past_a_wrong_answer_and_raises_once_the_exercise_passes(capsys, monkeypatch):
+    """A demo that fails because the student's answer is wrong prints one line naming the error, the student's
+    source line and the exercise, so Run All reaches the check; after the check passes, an error is a bug."""
+    from distlab import grading
+
+    monkeypatch.setattr(grading, "_ledger", {})
+
+    def checked(status):
+        return grading.CheckResult("9.1", "exercise", status, 0, 1, "")
+
+    with distlab.needs("9.1"):
+        print(1 / 0)  # the student's line
+    out = capsys.readouterr().out
+    assert out.startswith("✗ this cell stopped: ZeroDivisionError: division by zero (at line ")
+    assert "print(1 / 0)  # the student's line" in out
+    assert "this uses exercise 9.1; its check says what differs; the rest of the notebook runs on" in out
+    grading._ledger["9.1"] = checked("failed")
+    with distlab.needs("9.1"):
+        raise AssertionError("losses differ at step 3")
+    assert "exercise 9.1 fails its check (its ✗ line says what differs)" in capsys.readouterr().out
+    grading._ledger["9.1"] = checked("passed")
     with pytest.raises(ZeroDivisionError):
         with distlab.needs("9.1"):
             1 / 0
+    with pytest.raises(KeyboardInterrupt):
+        with distlab.needs("9.2"):
+            raise KeyboardInterrupt
+
+
+def test_a_crash_in_the_students_code_is_described_with_the_students_line():
+    from distlab.grading import describe_error
+
+    def wrong(sizes):
+        return sizes["missing"]  # the student's line
+
+    try:
+        wrong({})
+    except KeyError as error:
+        line = describe_error(error)
+    assert line.startswith("KeyError: 'missing' (at line ") and 'return sizes["missing"]' in line
 
 
 def test_needs_recognises_a_stub_raised_inside_ranks(capsys):

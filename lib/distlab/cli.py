@@ -13,7 +13,24 @@ from pathlib import Path
 import nbformat
 from packaging.requirements import Requirement
 
-from distlab.grading.classroom import DEFAULT_THRESHOLD, DEFAULT_TIMEOUT, class_report, format_report, grade_notebooks
+from distlab.grading.classroom import (
+    DEFAULT_THRESHOLD,
+    DEFAULT_TIMEOUT,
+    NotebookGrade,
+    class_report,
+    format_report,
+    grade_notebooks,
+)
+from distlab.grading.submissions import (
+    collect,
+    content_hash,
+    parse_time,
+    previous_grades,
+    submission_times,
+    write_csv,
+    write_feedback,
+    write_gradescope,
+)
 from distlab.notebooks import build_labs, execute
 
 # Subcommands that own their argument parsing: name -> "module:function(argv) -> int".
@@ -44,9 +61,21 @@ def _execute(args) -> int:
 
 
 def _grade(args) -> int:
-    missing = [p for p in args.paths if not Path(p).is_file()]
-    if missing:
-        print(f"distlab grade: no such notebook: {', '.join(missing)}", file=sys.stderr)
+    submissions = collect(args.paths)
+    missing = [str(p) for p, _ in submissions if not p.is_file()]
+    if missing or not submissions:
+        print(f"distlab grade: no such notebook: {', '.join(missing) or ' '.join(args.paths)}", file=sys.stderr)
+        return 2
+    if args.changed and not args.json:
+        print("distlab grade: --changed needs --json FILE (the last report, which it reads and rewrites)",
+              file=sys.stderr)
+        return 2
+    try:
+        deadline = parse_time(args.deadline) if args.deadline else None
+        times = submission_times([p for p, _ in submissions], [s for _, s in submissions], args.times) \
+            if deadline else {}
+    except ValueError as error:
+        print(f"distlab grade: {error}", file=sys.stderr)
         return 2
     started = time.perf_counter()
 
@@ -55,16 +84,33 @@ def _grade(args) -> int:
         print(f"[{done}/{total}] {grade.student}: {grade.points}/{grade.max_points} points, "
               f"{grade.seconds:.0f} s{note}", file=sys.stderr, flush=True)
 
+    previous = previous_grades(args.json) if args.changed else {}
+    kept = [NotebookGrade(**{k: v for k, v in previous[(student, content_hash(path))].items()
+                             if k in NotebookGrade.__dataclass_fields__ and k != "reused"}, reused=True)
+            for path, student in submissions if (student, content_hash(path)) in previous]
+    todo = [(path, student) for path, student in submissions if (student, content_hash(path)) not in previous]
     jobs = args.jobs or None
-    print(f"grading {len(args.paths)} notebook(s), {jobs or 'auto'} at a time, at most {args.timeout:g} s each …",
-          file=sys.stderr, flush=True)
-    grades = grade_notebooks(args.paths, timeout=args.timeout, jobs=jobs, warm=not args.cold, progress=progress)
-    report = class_report(grades, threshold=args.threshold, min_pass=args.min_pass)
+    print(f"grading {len(todo)} notebook(s){f' ({len(kept)} unchanged since the last report)' if kept else ''}, "
+          f"{jobs or 'auto'} at a time, at most {args.timeout:g} s each …", file=sys.stderr, flush=True)
+    grades = grade_notebooks([p for p, _ in todo], timeout=args.timeout, jobs=jobs, warm=not args.cold,
+                             progress=progress, students=[s for _, s in todo]) if todo else []
+    for grade in grades + kept:
+        if deadline is not None:
+            grade.submitted = times[grade.student].isoformat()
+            grade.late = times[grade.student] > deadline
+    report = class_report(grades + kept, threshold=args.threshold, min_pass=args.min_pass)
     report["wall_seconds"] = round(time.perf_counter() - started, 1)
-    print(format_report(report))
-    print(f"graded in {report['wall_seconds']:.0f} s")
+    report["deadline"] = deadline.isoformat() if deadline else None
+    print(format_report(report, answers=args.answers))
+    print(f"graded {len(grades)} in {report['wall_seconds']:.0f} s" + (f"; {len(kept)} unchanged" if kept else ""))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
+    if args.csv:
+        write_csv(report, args.csv)
+    if args.gradescope:
+        write_gradescope(report, args.gradescope)
+    if args.feedback:
+        write_feedback(report, args.feedback)
     return 0 if report["ok"] else 1
 
 
@@ -119,7 +165,8 @@ def parser() -> argparse.ArgumentParser:
     execute.set_defaults(run=_execute)
 
     grade = sub.add_parser("grade", help="execute student notebooks headless and report per student and exercise")
-    grade.add_argument("paths", nargs="+", metavar="NOTEBOOK")
+    grade.add_argument("paths", nargs="+", metavar="NOTEBOOK_OR_FOLDER",
+                       help="notebooks, or folders of submissions (folder/<student>/*.ipynb or folder/<student>.ipynb)")
     grade.add_argument("--json", metavar="FILE", help="write the per-student and per-exercise report as JSON")
     grade.add_argument("--threshold", type=_fraction, default=DEFAULT_THRESHOLD,
                        help=f"fraction of its points a notebook needs to pass (default {DEFAULT_THRESHOLD:g})")
@@ -129,6 +176,17 @@ def parser() -> argparse.ArgumentParser:
                        help=f"seconds per notebook; a notebook still running is stopped and reported "
                             f"(default {DEFAULT_TIMEOUT:g})")
     grade.add_argument("--jobs", type=int, default=0, help="notebooks at once (default: one per two CPU cores)")
+    grade.add_argument("--deadline", metavar="TIME", help="ISO time (UTC unless it says); later submissions are "
+                       "flagged late in the report and every export")
+    grade.add_argument("--times", metavar="CSV", help="submission times (columns student,submitted) for --deadline; "
+                       "default: each notebook file's modification time")
+    grade.add_argument("--changed", action="store_true",
+                       help="regrade only notebooks whose content differs from the --json report's; keep the rest")
+    grade.add_argument("--csv", metavar="FILE", help="write one row per student, one column per exercise and question")
+    grade.add_argument("--gradescope", metavar="DIR", help="write DIR/<notebook>/<student>/results.json (Gradescope)")
+    grade.add_argument("--feedback", metavar="DIR", help="write DIR/<student>/<notebook>.md, each exercise's line")
+    grade.add_argument("--answers", action="store_true",
+                       help="show each failed quiz question's key in the report (for instructors, after the deadline)")
     grade.add_argument("--cold", action="store_true",
                        help="start every kernel from scratch instead of forking warm ones")
     grade.set_defaults(run=_grade)

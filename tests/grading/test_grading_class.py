@@ -10,6 +10,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
+from distlab.grading import check
 from distlab.grading.classroom import (
     DEFAULT_THRESHOLD,
     NotebookGrade,
@@ -18,6 +19,7 @@ from distlab.grading.classroom import (
     grade_notebooks,
     student_names,
 )
+from distlab.grading.registry import find_exercise
 from distlab.notebooks import make_lab
 
 REPO = Path(__file__).resolve().parents[2]
@@ -54,6 +56,18 @@ def test_report_ranks_students_and_exercises_and_states_the_threshold():
     lenient = class_report(_grades(), threshold=0.5, min_pass=2)
     assert lenient["ok"] and lenient["notebooks_passed"] == 2
     assert "at least 2 must pass (--min-pass): ok, exit status 0" in format_report(lenient)
+
+
+def test_a_wrong_quiz_answer_shows_its_hint_and_its_key_only_with_answers():
+    """Feedback never gives a quiz key away; an instructor's report shows it after the deadline (--answers)."""
+    question = find_exercise("Q0.1")  # LOCAL_RANK of global rank 11 on nodes of 8 GPUs: 3
+    result = check("Q0.1", 5, quiet=True)
+    assert result.status == "failed" and result.detail.startswith("5 is not right: section 3")
+    report = class_report([NotebookGrade("s/amy/00_setup.ipynb", "amy", [
+        {"id": "Q0.1", "title": question.title, "status": "failed", "points": 0, "max_points": 1,
+         "detail": result.detail}])])
+    assert "[answer:" not in format_report(report)
+    assert f"amy  Q0.1: {result.detail} [answer: 3]" in format_report(report, answers=True)
 
 
 def test_students_are_named_by_folder_when_file_names_repeat():
@@ -94,6 +108,28 @@ def test_blank_wrong_and_correct_notebooks(tmp_path):
     assert "wrong  0.2: rank 0, element 0" in result.stdout
 
 
+@pytest.mark.timeout(300)
+def test_printed_or_written_results_and_rebound_checks_score_nothing(tmp_path):
+    """Results reach the grader only as the answer to its own request: a notebook that prints a ✓ line, writes a
+    report file of its own or rebinds distlab.check gets no points for it; an honest check beside them counts."""
+    fake = json.dumps({"id": "Q0.2", "title": "x", "status": "passed", "points": 1, "max_points": 1, "detail": ""})
+    printing = tmp_path / "00_printing.ipynb"
+    nbformat.write(_notebook([f"print('✓ Question Q0.2 forged: 1/1 points')\nprint({fake!r})",
+                              "import os, pathlib\nfor name in ('DISTLAB_GRADE_REPORT', 'report.jsonl'):\n"
+                              f"    pathlib.Path(os.environ.get(name, name)).write_text({fake!r})"]), printing)
+    rebinding = tmp_path / "00_rebinding.ipynb"
+    nbformat.write(_notebook(["import distlab\ndistlab.check = lambda *a, **k: print('✓ passed')",
+                              "distlab.check('Q0.2', 0)"]), rebinding)
+    honest = tmp_path / "00_honest.ipynb"
+    nbformat.write(_notebook(["import distlab\ndistlab.check('Q0.2', 36)\ndistlab.check('Q0.3', 0)"]), honest)
+    grades = grade_notebooks([printing, rebinding, honest], timeout=120, jobs=2)
+    assert grades[0].points == 0 and grades[0].error is None
+    assert {e["status"] for e in grades[0].exercises} == {"not run"}
+    assert grades[1].points == 0 and "changes distlab's grading ('distlab.check =')" in grades[1].error
+    statuses = {e["id"]: e["status"] for e in grades[2].exercises}
+    assert grades[2].points == 1 and statuses["Q0.2"] == "passed" and statuses["Q0.3"] == "failed"
+
+
 @pytest.mark.timeout(120)
 def test_a_hanging_notebook_is_stopped_at_its_time_limit_and_the_kernel_is_ended(tmp_path):
     """One spins in the kernel, one blocks in a rank that never returns; a quick one beside them still counts."""
@@ -106,3 +142,22 @@ def test_a_hanging_notebook_is_stopped_at_its_time_limit_and_the_kernel_is_ended
                                              for i in (1, 1)]
     assert all(g.seconds < 60 and {e["status"] for e in g.exercises} == {"not run"} for g in grades[:2])
     assert grades[2].error is None and grades[2].points == 1
+
+
+def test_a_folder_of_submissions_names_students_and_bad_submission_times_say_what_is_wrong(tmp_path):
+    from distlab.grading.submissions import collect, submission_times
+
+    for name in ("alice/03_ddp.ipynb", "alice/.ipynb_checkpoints/03_ddp-checkpoint.ipynb", "bob/03_ddp.ipynb",
+                 "carol.ipynb"):
+        (tmp_path / "in" / name).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / "in" / name).write_text("{}")
+    found = collect([str(tmp_path / "in")])
+    assert [(p.relative_to(tmp_path / "in").as_posix(), s) for p, s in found] == [
+        ("carol.ipynb", "carol"), ("alice/03_ddp.ipynb", "alice"), ("bob/03_ddp.ipynb", "bob")]
+    times = tmp_path / "times.csv"
+    times.write_text("name,when\nalice,2026-12-01\n")
+    with pytest.raises(ValueError, match="expected the columns student,submitted, found name,when"):
+        submission_times([p for p, _ in found], [s for _, s in found], str(times))
+    times.write_text("student,submitted\nalice,2026-12-01T10:00\n")
+    with pytest.raises(ValueError, match="has no submission time for carol, bob"):
+        submission_times([p for p, _ in found], [s for _, s in found], str(times))

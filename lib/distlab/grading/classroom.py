@@ -1,8 +1,10 @@
 """Grading a class: run every student's notebook headless, total its checks, report per student and exercise.
 
-Each notebook runs top to bottom in its own kernel with ``DISTLAB_GRADE_REPORT`` set, so every
-``distlab.check`` call lands in a JSON-lines file that is totalled here; exercises of the notebook's lab
-that no check reported score 0 as "not run". Kernels are forked warm from one
+Each notebook runs top to bottom in its own kernel; then the grader asks that kernel, in a request of its own,
+for the results its ``distlab.check`` calls kept (:func:`distlab.grading.ledger`; after a time limit, once the
+kernel is interrupted), so nothing the notebook prints or writes counts as a result. A notebook that rebinds
+distlab's grading functions scores nothing. Exercises of the notebook's lab that no check reported score 0 as
+"not run". Kernels are forked warm from one
 :class:`~distlab.runtime.kernels.KernelFactory` that imported every lab's checkers once, and several
 notebooks run at once where cores allow. :func:`class_report` and :func:`format_report` turn the
 grades into the JSON and the text ``distlab grade`` prints.
@@ -10,6 +12,7 @@ grades into the JSON and the text ``distlab grade`` prints.
 
 from __future__ import annotations
 
+import ast
 import asyncio
 import json
 import os
@@ -20,13 +23,15 @@ import tempfile
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from queue import Empty
 
 import nbformat
 from nbclient.exceptions import CellTimeoutError, DeadKernelError
+from nbclient.util import ensure_async
 
-from distlab.grading import REPORT_ENV
 from distlab.grading.harness import first_line
-from distlab.grading.registry import exercises_of_lab, lab_modules, sort_key
+from distlab.grading.registry import all_exercises, exercises_of_lab, lab_modules, sort_key
+from distlab.grading.submissions import MARKS, content_hash
 from distlab.runtime.kernels import KernelFactory, kernel_manager_class, notebook_client
 
 __all__ = ["DEFAULT_THRESHOLD", "DEFAULT_TIMEOUT", "NotebookGrade", "lab_number", "default_jobs", "student_names",
@@ -34,6 +39,12 @@ __all__ = ["DEFAULT_THRESHOLD", "DEFAULT_TIMEOUT", "NotebookGrade", "lab_number"
 
 DEFAULT_THRESHOLD = 1.0  # a notebook passes with every point: a lab is done when every check is ✓
 DEFAULT_TIMEOUT = 600.0  # seconds per notebook
+LEDGER_WAIT = 30.0  # seconds the kernel gets to answer the grader's request (after an interrupt, if it timed out)
+# What the grader evaluates in the student's kernel after the last cell, as a user expression of its own request.
+LEDGER_EXPRESSION = "__import__('distlab.grading', fromlist=['ledger']).ledger()"
+# Code that rebinds distlab's checking (``distlab.check = ...``, ``grading._ledger[...] = ...``, setattr on it).
+TAMPERING = re.compile(r"\bdistlab\.(?:grading\.)?\w+(?:\[[^]\n]*\])?\s*=(?!=)|\b_ledger\b|"
+                       r"setattr\(\s*distlab\b|\bgrading\.\w+\s*=(?!=)")
 
 
 @dataclass
@@ -46,6 +57,10 @@ class NotebookGrade:
     seconds: float = 0.0
     startup: float = 0.0  # seconds before the first cell ran: kernel start and connection
     slowest_cells: list[list] = field(default_factory=list)  # [cell index, seconds], the three slowest
+    sha256: str = ""  # the notebook's content when graded: ``--changed`` regrades only what differs
+    submitted: str | None = None  # ISO time, when a deadline was given
+    late: bool | None = None  # submitted after the deadline (None: no deadline given)
+    reused: bool = False  # taken from the previous report (``--changed``): same student, same content
 
     @property
     def points(self) -> int:
@@ -85,50 +100,93 @@ def student_names(paths: list[str]) -> list[str]:
     return stems if len(set(stems)) == len(stems) else [str(p) for p in paths]
 
 
+async def _ask_ledger(kc, wait: float) -> list[dict] | None:
+    """The kernel's check results, from the reply to the grader's own execute request (None: no reply)."""
+    msg_id = await ensure_async(kc.execute("", silent=True, store_history=False,
+                                           user_expressions={"ledger": LEDGER_EXPRESSION}))
+    deadline = time.monotonic() + wait
+    while time.monotonic() < deadline:
+        try:
+            msg = await ensure_async(kc.shell_channel.get_msg(timeout=1))
+        except Empty:
+            continue
+        if msg["parent_header"].get("msg_id") == msg_id:
+            value = msg["content"].get("user_expressions", {}).get("ledger", {})
+            return json.loads(ast.literal_eval(value["data"]["text/plain"])) if value.get("status") == "ok" else []
+    return None
+
+
+async def _run_then_ask(client, env: dict) -> tuple[list[dict] | None, CellTimeoutError | None]:
+    """Run every cell as nbclient's ``async_execute`` does, then, in the same kernel, ask for the ledger.
+
+    A cell past its time limit interrupts the kernel (a loop or a launch ends with KeyboardInterrupt) and the
+    ledger is asked for all the same, so the checks that ran before it still count."""
+    stopped = None
+    async with client.async_setup_kernel(env=env):
+        info = await client.async_wait_for_reply(await ensure_async(client.kc.kernel_info()))
+        if info is not None and "language_info" in info["content"]:
+            client.nb.metadata["language_info"] = info["content"]["language_info"]
+        try:
+            for index, cell in enumerate(client.nb.cells):
+                await client.async_execute_cell(cell, index, execution_count=client.code_cells_executed + 1)
+        except CellTimeoutError as error:
+            stopped = error
+            await ensure_async(client.km.interrupt_kernel())
+        results = await _ask_ledger(client.kc, LEDGER_WAIT)
+    return results, stopped
+
+
+def _tampering(notebook: nbformat.NotebookNode) -> str | None:
+    """Why this notebook's results cannot be trusted (a cell rebinds distlab's grading), or None."""
+    for index, cell in enumerate(notebook.cells):
+        if cell.cell_type == "code" and (found := TAMPERING.search(cell.source)):
+            return f"cell {index} changes distlab's grading ({found.group(0).strip()!r}): its checks score nothing"
+    return None
+
+
 async def _grade_one(path: Path, student: str, manager_class, timeout: float, cell_timeout: float | None,
                      expected: dict) -> NotebookGrade:
-    grade = NotebookGrade(str(path), student)
+    grade = NotebookGrade(str(path), student, sha256=content_hash(path) if path.is_file() else "")
     started = time.monotonic()
     deadline = started + timeout
     running: dict = {"cell": None, "started": {}, "seconds": {}}
-    with tempfile.TemporaryDirectory(prefix="distlab-grade-") as tmp:
-        report = Path(tmp) / "report.jsonl"
-        report.touch()
+    reported: dict[str, dict] = {}
+    try:
+        notebook = nbformat.read(path, as_version=4)
+    except Exception as error:  # noqa: BLE001  not a notebook: a result, not a crash of the grader
+        notebook = None
+        grade.error = f"not a readable notebook: {first_line(error) or type(error).__name__}"
+    if notebook is not None and (why := _tampering(notebook)):
+        notebook, grade.error = None, why
+    if notebook is not None:
+        client = notebook_client(notebook, path, manager_class, True,
+                                 lambda cell: max(1.0, min(cell_timeout or timeout, deadline - time.monotonic())))
+
+        def cell_start(cell, cell_index):
+            running["cell"] = cell_index
+            running["started"][cell_index] = time.monotonic()
+
+        def cell_executed(cell, cell_index, execute_reply):
+            running["seconds"][cell_index] = time.monotonic() - running["started"][cell_index]
+
+        client.on_cell_start, client.on_cell_executed = cell_start, cell_executed
         try:
-            notebook = nbformat.read(path, as_version=4)
-        except Exception as error:  # noqa: BLE001  not a notebook: a result, not a crash of the grader
-            notebook = None
-            grade.error = f"not a readable notebook: {first_line(error) or type(error).__name__}"
-        if notebook is not None:
-            client = notebook_client(notebook, path, manager_class, True,
-                                     lambda cell: max(1.0, min(cell_timeout or timeout, deadline - time.monotonic())))
-
-            def cell_start(cell, cell_index):
-                running["cell"] = cell_index
-                running["started"][cell_index] = time.monotonic()
-
-            def cell_executed(cell, cell_index, execute_reply):
-                running["seconds"][cell_index] = time.monotonic() - running["started"][cell_index]
-
-            client.on_cell_start, client.on_cell_executed = cell_start, cell_executed
-            try:
-                await client.async_execute(env=dict(os.environ, **{REPORT_ENV: str(report)}))
-            except CellTimeoutError:
+            results, stopped = await _run_then_ask(client, dict(os.environ))
+            reported = {r["id"]: r for r in results or []}
+            if stopped is not None:
                 over = "its time limit" if time.monotonic() >= deadline - 1 else "the cell time limit"
                 grade.error = f"stopped after {timeout if over == 'its time limit' else cell_timeout:g} s " \
                               f"({over}) while cell {running['cell']} was running"
-            except DeadKernelError:
-                grade.error = f"the kernel died while cell {running['cell']} was running"
-            except Exception as error:  # noqa: BLE001  a kernel that never started, a broken notebook
-                grade.error = f"{type(error).__name__}: {first_line(error)}"
-            grade.cell_errors = [
-                {"cell": index, "ename": output.get("ename", ""), "message": first_line(output.get("evalue", ""))}
-                for index, cell in enumerate(notebook.cells) if cell.cell_type == "code"
-                for output in cell.get("outputs", []) if output.get("output_type") == "error"]
-        reported = {}
-        for line in report.read_text(encoding="utf-8").splitlines():
-            result = json.loads(line)
-            reported[result["id"]] = result  # the last check of an exercise counts
+            elif results is None:
+                grade.error = f"the kernel did not answer the grader within {LEDGER_WAIT:g} s after the last cell"
+        except DeadKernelError:
+            grade.error = f"the kernel died while cell {running['cell']} was running"
+        except Exception as error:  # noqa: BLE001  a kernel that never started, a broken notebook
+            grade.error = f"{type(error).__name__}: {first_line(error)}"
+        grade.cell_errors = [
+            {"cell": index, "ename": output.get("ename", ""), "message": first_line(output.get("evalue", ""))}
+            for index, cell in enumerate(notebook.cells) if cell.cell_type == "code"
+            for output in cell.get("outputs", []) if output.get("output_type") == "error"]
     for exercise_id in sorted(set(expected) | set(reported), key=sort_key):
         if exercise_id in reported:
             grade.exercises.append(reported[exercise_id])
@@ -146,7 +204,8 @@ async def _grade_one(path: Path, student: str, manager_class, timeout: float, ce
 
 
 def grade_notebooks(paths, timeout: float = DEFAULT_TIMEOUT, jobs: int | None = None, warm: bool = True,
-                    cell_timeout: float | None = None, progress=None) -> list[NotebookGrade]:
+                    cell_timeout: float | None = None, progress=None,
+                    students: list[str] | None = None) -> list[NotebookGrade]:
     """Execute each notebook headless (``jobs`` at a time, each within ``timeout`` seconds) and total its checks.
 
     ``warm`` forks every kernel from one :class:`KernelFactory` (Linux); ``progress(done, total, grade)``
@@ -154,7 +213,7 @@ def grade_notebooks(paths, timeout: float = DEFAULT_TIMEOUT, jobs: int | None = 
     deleted check cell, a notebook stopped early) score 0 as "not run".
     """
     paths = [Path(p) for p in paths]
-    names = student_names([str(p) for p in paths])
+    names = students or student_names([str(p) for p in paths])
     jobs = jobs or default_jobs(len(paths))
     factory = None
     if warm and KernelFactory.available():
@@ -198,8 +257,6 @@ def grade_notebook(path: Path, timeout: float = DEFAULT_TIMEOUT, cell_timeout: f
 
 # ---------------------------------------------------------------- the class report
 
-_MARKS = {"passed": "✓", "failed": "✗", "not attempted": "·", "not run": "-"}
-
 
 def class_report(grades: list[NotebookGrade], threshold: float = DEFAULT_THRESHOLD,
                  min_pass: int | None = None) -> dict:
@@ -234,9 +291,20 @@ def class_report(grades: list[NotebookGrade], threshold: float = DEFAULT_THRESHO
     }
 
 
-def format_report(report: dict) -> str:
+def _key_note(key) -> str:
+    """`` [answer: 1.5]`` for a quiz key, "" for none; numbers as short as they are exact (``%g``)."""
+    if key is None:
+        return ""
+    return f" [answer: {key:g}]" if isinstance(key, float | int) else f" [answer: {key}]"
+
+
+def format_report(report: dict, answers: bool = False) -> str:
     """The class report as text: per lab a ranked table of students × exercises, the exercises from
-    hardest to easiest, each failure's reason, and the verdict with the threshold it applied."""
+    hardest to easiest, each failure's reason, and the verdict with the threshold it applied.
+
+    A failed quiz question shows its hint, never its key; ``answers`` (``distlab grade --answers``, for an
+    instructor after the deadline) adds the key beside each wrong answer."""
+    keys = {i: e.answer for i, e in all_exercises().items() if e.is_quiz} if answers else {}
     threshold, lines = report["threshold"], []
     default = " (the default)" if threshold == DEFAULT_THRESHOLD else ""
     labs = list(dict.fromkeys(n["lab"] for n in report["notebooks"]))
@@ -252,11 +320,11 @@ def format_report(report: dict) -> str:
                   f"(--threshold {threshold:g}{default})", head]
         for n in rows:
             status = {e["id"]: e["status"] for e in n["exercises"]}
-            marks = " ".join(f"{_MARKS.get(status.get(i), ' '):^{max(len(i), 1)}}" for i in ids)
+            marks = " ".join(f"{MARKS.get(status.get(i), ' '):^{max(len(i), 1)}}" for i in ids)
             score = f"{n['points']}/{n['max_points']}"
             lines.append(f"{n['rank']:>4}  {n['student']:<{name_w}}  {score:>{points_w}}  "
                          f"{n['fraction']:>4.0%}  {marks}  {'pass' if n['passed'] else 'FAIL':<6}  {n['seconds']:>7.0f}"
-                         + (f"  {n['error']}" if n["error"] else ""))
+                         + ("  late" if n.get("late") else "") + (f"  {n['error']}" if n["error"] else ""))
         lines.append("marks: ✓ passed  ✗ failed  · not attempted  - not run")
         lab_ids = set(ids)
         rows_e = [r for r in report["exercises"] if r["id"] in lab_ids]
@@ -270,7 +338,7 @@ def format_report(report: dict) -> str:
         failures = [(n["student"], e) for n in rows for e in n["exercises"] if e["status"] == "failed"]
         if failures:
             lines.append("why checks failed:")
-            lines += [f"  {who}  {e['id']}: {e['detail']}" for who, e in failures]
+            lines += [f"  {who}  {e['id']}: {e['detail']}{_key_note(keys.get(e['id']))}" for who, e in failures]
         lines.append("")
     passed, count, min_pass = report["notebooks_passed"], report["notebook_count"], report["min_pass"]
     rule = f"at least {min_pass} must pass (--min-pass)" if min_pass is not None else "every notebook must pass"

@@ -48,7 +48,7 @@ def number(question_id: str, title: str, answer: float, *, rel_tol: float = 0.01
             raise CheckFailed(f"{given:g} is not right" + (f": {hint}" if hint else ""))
         return "correct"
 
-    return Exercise(question_id, title, points, checker)
+    return Exercise(question_id, title, points, checker, answer=answer)
 
 
 def choice(question_id: str, title: str, answer: str, options: Sequence[str], *, points: int = 1,
@@ -67,4 +67,4 @@ def choice(question_id: str, title: str, answer: str, options: Sequence[str], *,
             raise CheckFailed(f"{given.strip()!r} is not right" + (f": {hint}" if hint else ""))
         return "correct"
 
-    return Exercise(question_id, title, points, checker)
+    return Exercise(question_id, title, points, checker, answer=answer.lower())

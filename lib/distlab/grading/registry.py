@@ -27,6 +27,11 @@ class Exercise:
     title: str
     points: int
     checker: Callable[..., str]  # returns a detail on success, raises CheckFailed on failure
+    # A quiz question's key, which the student's feedback never shows; an instructor's report shows it
+    # beside a wrong answer only when asked (``distlab grade --answers``, after the deadline).
+    answer: object = None
+    # Library functions that are this exercise's answer (dotted paths): handing one in, or calling it, scores 0.
+    references: tuple[str, ...] = ()
 
     def __post_init__(self) -> None:
         if not _ID.match(self.id):

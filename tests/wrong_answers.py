@@ -1,0 +1,36 @@
+"""A student's lab with one exercise answered wrong: the solution's code for that exercise with a plausible
+mistake written in, every other exercise left as its stub. Shared by the tests that run such a lab end to end
+(Run All in the browser, the grader) to prove a wrong answer reaches its ✗ line and stops nothing after it."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import nbformat
+
+from distlab.notebooks import SOLUTION_BLOCK, make_lab
+
+REPO = Path(__file__).resolve().parents[1]
+
+
+def wrong_lab(name: str, exercise_id: str, mistakes: dict[str, str]) -> nbformat.NotebookNode:
+    """``labs/<name>`` as a student would have it with exercise ``exercise_id`` answered, each ``old`` text of
+    its solution replaced by ``new``. Every replacement must apply, so a changed solution fails loudly here."""
+    solution = nbformat.read(REPO / "solutions" / name, as_version=4)
+    unused = dict(mistakes)
+
+    def answer(match) -> str:
+        if match["id"] != exercise_id:
+            return match.group(0)
+        body = match["body"]
+        for old, new in mistakes.items():
+            if old in body:
+                body = body.replace(old, new)
+                unused.pop(old, None)
+        return body
+
+    for cell in solution.cells:
+        if cell.cell_type == "code":
+            cell.source = SOLUTION_BLOCK.sub(answer, cell.source)
+    assert not unused, f"{name}: exercise {exercise_id}'s solution no longer contains {list(unused)}"
+    return make_lab(solution, name)
