@@ -132,6 +132,21 @@ def test_cost_model():
     assert cp.hidden_transfer_tokens(1e15, 50e9, bytes_per_value=2) == pytest.approx(20_000)
 
 
+def test_hidden_transfer_threshold_counts_kv_heads_against_query_heads():
+    """Grouped-query attention: FLOPs scale with the query heads, the ring's bytes with the K/V heads, so the
+    lab's 70B (64 query heads, 8 K/V heads) hides its transfer from 8x fewer tokens (issue 26 item 7)."""
+    mha = cp.hidden_transfer_tokens(1e15, 50e9, bytes_per_value=2)
+    assert cp.hidden_transfer_tokens(1e15, 50e9, bytes_per_value=2, heads=64) == pytest.approx(mha)
+    assert cp.hidden_transfer_tokens(1e15, 50e9, bytes_per_value=2, heads=64, kv_heads=8) == pytest.approx(mha / 8)
+    # the threshold is where compute time equals transfer time, per rank and step, all heads counted
+    heads, kv, d, e, flops, beta = 64, 8, 128, 2, 1e15, 50e9
+    threshold = cp.hidden_transfer_tokens(flops, beta, bytes_per_value=e, heads=heads, kv_heads=kv)
+    compute, transfer = (4 * threshold**2 * d * heads / flops, 2 * threshold * d * kv * e / beta)
+    assert compute == pytest.approx(transfer) and threshold == pytest.approx(2500)
+    with pytest.raises(ValueError, match="kv_heads=3 must divide heads=64"):
+        cp.hidden_transfer_tokens(1e15, 50e9, heads=64, kv_heads=3)
+
+
 def test_peak_memory_counts_what_is_alive_at_once():
     with cp.PeakMemory() as peak:
         a = torch.empty(2**18)  # 1 MiB

@@ -49,6 +49,7 @@ from distlab.fault_tolerance import (
 )
 from distlab.fault_tolerance.reshard import fsdp_job
 from distlab.fault_tolerance.stall import stall_summary, timed_training
+from distlab.fault_tolerance.stragglers import find_stragglers, pace_by_rank, straggler_steps
 from distlab.model import GPT, GPTConfig, synthetic_batch
 from distlab.runtime.launch import CollectiveTimeout, RankCrashed
 
@@ -205,9 +206,37 @@ def test_young_daly_and_the_llama3_failure_rate():
     plan = plan_cadence(16_384, 60, restart_seconds=600)
     assert plan.interval_minutes == pytest.approx(young_interval(60, plan.mtbf_hours * 3600) / 60)
     assert plan.lost_minutes_per_failure == pytest.approx(plan.interval_minutes / 2 + 10)
-    assert plan_cadence(16_384, 0.01, write_seconds=120).interval_minutes == 2  # an async write bounds it
+    bounded = plan_cadence(16_384, 0.01, write_seconds=120)
+    assert bounded.interval_minutes == 2 and bounded.write_bound  # an async write bounds it: back-to-back saves
+    assert bounded.young_minutes == pytest.approx(young_interval(0.01, bounded.mtbf_hours * 3600) / 60)
+    assert not plan.write_bound and not plan_cadence(8, 0.01, write_seconds=120).write_bound
     with pytest.raises(ValueError, match="checkpoint_cost"):
         young_interval(0, 10)
+
+
+def test_find_stragglers_compares_each_rank_with_the_others_median():
+    healthy = [[0.010, 0.011, 0.030], [0.012, 0.010, 0.011], [0.011, 0.012, 0.010], [0.010, 0.013, 0.011]]
+    assert find_stragglers(healthy) == {}  # one slow step (rank 0's 30 ms) is not a slow rank
+    slow = [list(t) for t in healthy]
+    slow[2] = [0.020, 0.021, 0.019]
+    assert find_stragglers(slow) == {2: pytest.approx(0.020 / 0.011)}
+    assert find_stragglers(slow, factor=2.0) == {}  # 1.8x: below a stricter margin
+    assert find_stragglers(slow, min_excess=0.010) == {}  # 9 ms slower: below what is worth acting on
+    with pytest.raises(ValueError, match="at least 2 ranks"):
+        find_stragglers([[0.01]])
+    with pytest.raises(ValueError, match="factor must be above 1"):
+        find_stragglers(slow, factor=1.0)
+
+
+def test_the_timeline_legend_calls_a_background_write_by_its_name():
+    import matplotlib  # noqa: PLC0415  only this test draws
+
+    matplotlib.use("Agg")
+    from distlab.runtime.timeline import Span, plot  # noqa: PLC0415  beside the matplotlib backend choice
+
+    spans = [Span(0, "step", "compute", 0.0, 0.1), Span(0, "background write", "comm", 0.1, 0.3)]
+    ax = plot(spans, labels={"comm": "background write"})
+    assert [t.get_text() for t in ax.get_legend().get_texts()] == ["background write", "compute"]
 
 
 def test_hang_suspects_from_a_collective_timeout():
@@ -271,6 +300,20 @@ def test_fsdp_checkpoint_reshards_from_4_ranks_to_2_and_to_1(tmp_path):
     for key, value in two[0]["before_save"].items():
         name = "train." + key.replace("optim.", "optim.state.", 1)
         assert torch.equal(whole[name], value), key
+
+
+def test_one_slow_rank_paces_every_rank_and_is_found_by_its_compute_time():
+    delay = 0.06
+    run = _ranks(3).run(straggler_steps, kwargs=dict(steps=6, slow_rank=1, delay=delay, cfg=CFG, batch_size=2),
+                        show_output=False)
+    pace = pace_by_rank(run)
+    assert [p["rank"] for p in pace] == [0, 1, 2] and all(len(r["step"]) == 6 for r in run)
+    assert all(p["step"] >= 0.9 * pace[1]["compute"] for p in pace)  # every rank's step lasts the slow compute
+    for fast in (0, 2):  # the healthy ranks spend the sleep waiting in the all-reduce; the slow one hardly waits
+        assert pace[fast]["all_reduce"] - pace[1]["all_reduce"] >= 0.5 * delay
+    assert list(find_stragglers([r["compute"] for r in run], min_excess=delay / 2)) == [1]
+    with pytest.raises(distlab.RankFailed, match="ValueError: slow_rank must be a rank of the 3-rank job"):
+        _ranks(3).run(straggler_steps, kwargs=dict(steps=1, slow_rank=3, cfg=CFG), show_output=False)
 
 
 def test_replica_hashes_and_gradient_norms_name_the_corrupted_rank():

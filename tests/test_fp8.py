@@ -165,6 +165,17 @@ def test_gradient_underflow_fp16_against_bf16():
     assert all(p.grad is None for p in model.parameters())
 
 
+def test_fp16_loses_more_as_a_rank_averages_over_more_tokens():
+    """The lab's per-rank divisors (4096 and 131072 tokens over 512): FP16's loss grows, BF16's does not."""
+    model = GPT(TINY, seed=0)
+    x, y = synthetic_batch(TINY, 4, step=0)
+    scales = (1.0, 1 / 8, 1 / 256)
+    lost = fp8.gradient_underflow(model, x, y, (torch.float16, torch.bfloat16), scales)
+    fp16 = [lost[torch.float16, s]["activation_lost"] for s in scales]
+    assert fp16[0] < fp16[1] < fp16[2] < 0.9  # a share that grows, not everything
+    assert max(lost[torch.bfloat16, s]["activation_lost"] for s in scales) < 0.01
+
+
 # ---------------------------------------------------------------- FP8 matmul
 
 
@@ -573,7 +584,7 @@ def test_stubs_are_not_attempted_and_quiz_answers_check():
     assert distlab.check("9.2", StubScaler, quiet=True).status == "not attempted"
     assert distlab.check("9.4", stub, stub, stub, quiet=True).status == "not attempted"
     answers = {"Q9.1": 448, "Q9.2": "b", "Q9.3": 32768, "Q9.4": "b", "Q9.5": 262144, "Q9.6": "c",
-               "Q9.7": 1 / (0.1 + 0.9 / 2)}
+               "Q9.7": 1 / (0.1 + 0.9 / 2), "Q9.8": "b", "Q9.9": "c"}
     for question, answer in answers.items():
         assert distlab.check(question, answer, quiet=True).status == "passed", question
     assert distlab.check("Q9.1", 240, quiet=True).status == "failed"

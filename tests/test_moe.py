@@ -105,6 +105,32 @@ def test_balancing_losses_and_bias_step():
     assert new.tolist() == pytest.approx([0.1, -0.1, 0.0, 0.0])  # underloaded up, overloaded down, mean unchanged
 
 
+def test_noisy_route_is_route_plus_gaussian_noise_that_evens_load_only_by_rerouting():
+    x, w = M.skewed_tokens(512, 16, 8, 0.5, seed=0)
+    plain = M.route(x, w, 2)
+    quiet = M.noisy_route(x, w, 2, noise_std=0.0)
+    assert torch.equal(quiet.experts, plain.experts) and torch.allclose(quiet.gates, plain.gates)
+    again = [M.noisy_route(x, w, 2, noise_std=1.0, generator=torch.Generator().manual_seed(3)) for _ in range(2)]
+    assert torch.equal(again[0].logits, again[1].logits)  # the generator makes a draw reproducible
+    learned = M.noisy_route(x, w.requires_grad_(True), 2, noise_weight=torch.zeros(8, 16),
+                            generator=torch.Generator().manual_seed(0))
+    sigma = float((learned.logits - x @ w.t()).detach().std())
+    assert abs(sigma - math.log(2.0)) < 0.03  # softplus(0) = ln 2: the paper's W_noise starts at zero
+    assert torch.allclose(learned.gates.sum(-1), torch.ones(512))
+    learned.gates.sum().backward()
+    assert w.grad is not None and w.grad.abs().sum() > 0
+    with pytest.raises(ValueError, match="k=9 experts per token, but the router has 8 experts"):
+        M.noisy_route(x, w, 9)
+    generator = torch.Generator().manual_seed(0)
+    spread = {}
+    for std in (0.5, 4.0):
+        draws = [M.noisy_route(x, w.detach(), 2, noise_std=std, generator=generator) for _ in range(10)]
+        spread[std] = (sorted(M.imbalance(torch.bincount(r.experts.reshape(-1), minlength=8)) for r in draws)[5],
+                       sorted(float((r.experts[:, 0] != plain.experts[:, 0]).float().mean()) for r in draws)[5])
+    plain_busiest = M.imbalance(torch.bincount(plain.experts.reshape(-1), minlength=8))
+    assert plain_busiest > spread[0.5][0] > spread[4.0][0] and spread[0.5][1] < spread[4.0][1] > 0.5
+
+
 def _loop_moe(x, w, experts, k, capacity_factor, shared):
     """An independent, token-by-token MoE: the spec written as plainly as possible."""
     probs = torch.softmax(x @ w.t(), -1)

@@ -27,6 +27,7 @@ from distlab.pipeline_parallel import (
     make_schedule,
     measured_bubble,
     one_f_one_b,
+    peak_in_flight,
     pipeline_worker,
     reference_states,
     run_schedule,
@@ -118,6 +119,20 @@ def test_interleaved_reaches_its_bubble_and_needs_m_multiple_of_p():
     assert interleaved_bubble_fraction(4, 16, 2) == pytest.approx(3 / 35)
     with pytest.raises(ValueError, match="m=6 to be a multiple of the pipeline ranks p=4.*use m=8"):
         interleaved_1f1b(4, 6, 2)
+
+
+def test_interleaved_with_one_stage_per_rank_is_1f1b_and_its_memory_is_the_warmup_formula():
+    """v = 1 is 1F1B (p in flight on rank 0, not 2p - 1); v >= 2 holds p + (p-1)/v, more than 1F1B, as
+    :func:`peak_in_flight` says and the simulation measures (issue 26 item 3)."""
+    for p, k in itertools.product((2, 3, 4, 6), (1, 2, 3)):
+        m = p * k
+        assert compute_order(interleaved_1f1b(p, m, 1)) == compute_order(one_f_one_b(p, m))
+        for v in (1, 2, 3, 4):
+            sim = simulate(interleaved_1f1b(p, m, v), m, v)
+            assert sim.peak_in_flight[0] == pytest.approx(peak_in_flight(p, m, v))
+            if v > 1 and m > p:
+                assert peak_in_flight(p, m, v) == pytest.approx(p + (p - 1) / v) and peak_in_flight(p, m, v) > p
+    assert peak_in_flight(4, 16, 1) == 4
 
 
 def test_validate_names_the_problem():

@@ -1,5 +1,7 @@
 """The parallelism planner: published layouts, infeasible ones with their reasons, and the seeds' arithmetic."""
 
+from dataclasses import replace
+
 import pytest
 
 from distlab.memory import PRESETS
@@ -54,8 +56,59 @@ def test_fp32_gradients_double_gradient_memory_and_zero1_reduce_scatter_traffic(
     fp32 = estimate(model, cluster, layout, 2048, precision="mixed_fp32_grads")
     assert fp32.memory["grads"] == pytest.approx(2 * bf16.memory["grads"])
     assert fp32.memory["params"] == bf16.memory["params"]
-    assert fp32.bytes["dp"] == pytest.approx(2 * bf16.bytes["dp"])
+    # ZeRO-1 reduce-scatters the gradients (now 4 bytes a value) and all-gathers the bf16 parameters
+    assert fp32.bytes["dp"] - bf16.bytes["dp"] == pytest.approx(bf16.memory["grads"])
+    assert bf16.bytes["dp"] == pytest.approx(bf16.memory["grads"] + bf16.memory["params"])
     assert fp32.seconds["dp exposed"] > bf16.seconds["dp exposed"]
+
+
+def test_zero2_and_zero3_under_a_pipeline_are_priced_not_rejected():
+    """Llama 3 ran FSDP over PP 16 and torchtitan composes FSDP2 with PP: what a pipeline's micro-batches
+    cost ZeRO-2/3 is traffic (per-micro-batch messages) or memory (what is kept whole), never impossibility."""
+    model, cluster = ModelShape.from_preset("405B"), h100_cluster(16384)
+    base = Layout(dp=128, tp=8, pp=16, zero=1, m=16, v=4, checkpointing=True)
+    zero1 = estimate(model, cluster, base, 2048, precision="mixed_fp32_grads")
+    by_stage = {(z, kw, kg): estimate(model, cluster, replace(base, zero=z, keep_weights=kw, keep_grads=kg), 2048,
+                                      precision="mixed_fp32_grads")
+                for z, kw, kg in [(2, False, False), (3, False, False), (3, False, True), (3, True, False),
+                                  (3, True, True), (2, False, True)]}
+    assert all(e.feasible for e in by_stage.values()), [e.reasons for e in by_stage.values()]
+    params, grads = zero1.memory["params"], zero1.memory["grads"]  # whole: bf16 weights, fp32 gradients
+    zero2, zero3 = by_stage[(2, False, False)], by_stage[(3, False, False)]
+    assert zero2.bytes["dp"] == pytest.approx(16 * grads + params)  # a reduce-scatter per micro-batch
+    assert zero3.bytes["dp"] == pytest.approx(16 * grads + 2 * 16 * params)  # + gathers forward and backward
+    assert by_stage[(3, False, True)].bytes["dp"] == pytest.approx(grads + 2 * 16 * params)
+    assert zero1.memory["total"] > zero2.memory["total"] > zero3.memory["total"]
+    assert by_stage[(3, False, True)].memory["grads"] == grads  # kept whole over the micro-batches
+    assert zero1.step_time < zero2.step_time < zero3.step_time
+    # keeping both is Llama 3's FSDP and holds and sends what ZeRO-1 does; keeping the weights only is ZeRO-2
+    for kept, same in [((3, True, True), zero1), ((2, False, True), zero1), ((3, True, False), zero2)]:
+        e = by_stage[kept]
+        assert (e.memory, e.bytes, e.step_time) == (same.memory, same.bytes, same.step_time), kept
+    bad = estimate(model, cluster, replace(base, keep_grads=True), 2048)
+    assert any("ZeRO-1 shards no gradients" in r for r in bad.reasons)
+
+
+def test_the_published_layouts_need_overlap_to_cost_something():
+    """With overlapped DP traffic free, per-micro-batch reduce-scatters look free and win; from a modest
+    overlap cost on, the published layouts come out: the planner says which assumption decides."""
+    for cost in (0.1, 0.3):
+        llama = plan("405B", h100_cluster(16384), 2048, cp=(1,), precision="mixed_fp32_grads", overlap_cost=cost)
+        seeds = plan("70B", h100_cluster(1024), 2048, cp=(1,), overlap_cost=cost)
+        assert (llama.best.layout.tp, llama.best.layout.pp, llama.best.layout.dp) == (8, 16, 128), cost
+        assert (seeds.best.layout.tp, seeds.best.layout.pp, seeds.best.layout.dp) == (4, 4, 64), cost
+    free = plan("70B", h100_cluster(1024), 2048, cp=(1,), overlap_cost=0.0).best.layout
+    assert free.zero >= 2 and free.keep_grads is False
+
+
+def test_hfu_counts_the_recomputed_forward():
+    model, cluster = ModelShape.from_preset("70B"), h100_cluster(1024)
+    layout = Layout(dp=64, tp=4, pp=4, zero=1, m=32, v=4)
+    plain = estimate(model, cluster, layout, 2048)
+    assert plain.hfu == pytest.approx(plain.mfu)
+    recomputing = estimate(model, cluster, replace(layout, checkpointing=True), 2048)
+    assert recomputing.hfu == pytest.approx(4 / 3 * recomputing.mfu)
+    assert recomputing.mfu < plain.mfu and "HFU" in recomputing.summary()
 
 
 def test_70b_on_1024_h100s_picks_the_seeds_layout():

@@ -111,6 +111,8 @@ def test_activation_formula_reduces_to_memory_at_tp_1_and_splits_as_korthikanti(
         tp8 = theory.activation_bytes_per_layer_tp(s, 1, h, a, 8)
         assert tp8 == s * h * (10 + 24 / 8) + 5 * a * s * s / 8
         assert theory.activation_bytes_per_layer_tp(s, 1, h, a, 8, True) == dense_layer / 8
+        # fused attention keeps no s×s scores: TP + SP splits all 34·sbh (the lab's 70B table, second column)
+        assert theory.activation_bytes_per_layer_tp(s, 1, h, a, 8, True, flash_attention=True) == 34 * s * h / 8
 
 
 def test_collective_formulas():

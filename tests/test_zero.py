@@ -191,6 +191,81 @@ def test_state_bytes_match_the_formulas_mixed_and_fp32(ranks):
             assert measured == pytest.approx(formula, rel=0.02), dtype
 
 
+def test_gradient_accumulation_is_exact_and_costs_zero2_and_zero3_per_micro_batch(ranks):
+    """k micro-batches: DDP and ZeRO-1 reduce once, ZeRO-2 (k+1)/2 and ZeRO-3 1.5k times DDP's bytes (issue 26.5),
+    what lab 11's planner charges; the weights still equal one full-batch step."""
+    from distlab.parallel3d.planner import Layout, dp_messages
+
+    k, world = 3, 2
+
+    def every_stage():
+        return {s: train_worker(stage=s, cfg=CFG, steps=1, batch_size=6, lr=0.1, micro_batches=k) for s in range(4)}
+
+    run = ranks[world].run(every_stage)
+    ref = reference_run(CFG, steps=1, batch_size=6, lr=0.1)
+    wire = {s: sum(row["wire"] for row in run[0][s]["comm"].values()) for s in range(4)}
+    planner = {}  # in units of (N-1)/N·M: an all-reduce 2, a reduce-scatter or an all-gather 1
+    for s in range(4):
+        reductions, gathers = dp_messages(Layout(dp=world, zero=s, m=k))
+        planner[s] = 2 * reductions if s == 0 else reductions + gathers
+    for stage, expected in {0: 1, 1: 1, 2: (k + 1) / 2, 3: 1.5 * k}.items():
+        assert wire[stage] / wire[0] == pytest.approx(expected, rel=0.02), (stage, wire)
+        assert planner[stage] / planner[0] == pytest.approx(expected, rel=0.02), (stage, planner)
+        assert max(max_abs_diff(out[stage]["state"], ref["state"])[1] for out in run) <= 1e-6, stage
+    with pytest.raises(ValueError, match="not divisible by world_size·micro_batches = 4·4"):
+        validate(4, batch_size=8, micro_batches=4)
+
+
+def test_recompute_flop_ratio_of_the_quiz_key_is_what_flop_counter_measures():
+    """Q4.7's key is the notebook's measurement: full recomputation of every block, attention core written out.
+    Counted on the meta device: FlopCounterMode needs shapes, not numbers."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    from distlab.flops import hfu, mfu
+    from distlab.model import synthetic_batch
+    from distlab.zero import unfused_attention
+
+    cfg = GPTConfig(vocab_size=128, seq_len=256, n_layer=4, n_head=4, d_model=128)
+    x, y = (t.to("meta") for t in synthetic_batch(cfg, 2, 0))
+    flops = {}
+    for recompute in ("none", "selective", "full"):
+        model = GPT(cfg).to("meta")
+        for block in model.blocks:
+            unfused_attention(block.attn, recompute=recompute == "selective")
+            if recompute == "full":
+                checkpoint_module(block)
+        with FlopCounterMode(display=False) as counter:
+            model(x, y)[1].backward()
+        flops[recompute] = counter.get_total_flops()
+    assert flops["full"] / flops["none"] == pytest.approx(lab04.RECOMPUTE_FLOP_RATIO, rel=1e-9)
+    assert flops["full"] / flops["none"] < 4 / 3 and flops["selective"] / flops["none"] - 1 < 0.1
+    tokens = 2 * cfg.seq_len  # HFU counts the recomputed FLOPs, MFU does not: their ratio is the FLOP ratio
+    hardware = hfu(flops["none"] / tokens, 1e3, 1e12, (flops["full"] - flops["none"]) / tokens)
+    assert hardware / mfu(flops["none"] / tokens, 1e3, 1e12) == pytest.approx(lab04.RECOMPUTE_FLOP_RATIO)
+
+
+def test_unfused_attention_computes_what_the_fused_kernel_does():
+    torch.manual_seed(0)
+    from distlab.zero import attention_core
+
+    q, k, v = (torch.randn(2, 3, 10, 8) for _ in range(3))
+    fused = torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+    assert torch.allclose(attention_core(q, k, v), fused, atol=1e-5)
+
+
+def test_model_memory_peak_counts_the_recomputed_layer_and_the_gathered_unit():
+    from distlab.memory import PRESETS, activation_bytes_per_layer
+
+    p = PRESETS["70B"]
+    rest = p.memory(16, 3, 1, checkpointing=True)
+    peak = p.memory(16, 3, 1, checkpointing=True, peak=True)
+    layer = activation_bytes_per_layer(p.seq_len, 1, p.d_model, p.n_head)
+    assert rest.transient == 0 and peak.total == rest.total + layer + 4 * p.layer_params
+    assert rest.total < 80e9 < peak.total  # "16 GPUs fit" was optimistic
+    assert p.n_layer * p.layer_params + 2 * p.vocab_size * p.d_model + p.d_model == p.n_params
+    assert p.memory(8, 3, 1, flash_attention=True).activations == p.n_layer * 34 * p.seq_len * p.d_model
+
+
 def test_hsdp_matches_fsdp2_hybrid_and_splits_traffic_by_axis(ranks):
     ref = reference_run(CFG, steps=2, batch_size=8, lr=0.1)
     runs = [ranks[4].run(train_worker, kwargs=dict(stage=3, impl=impl, cfg=CFG, steps=2, batch_size=8, shard_size=2,

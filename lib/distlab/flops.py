@@ -19,7 +19,7 @@ import torch
 
 from distlab.model import GPTConfig, count_params, flops_per_token
 
-__all__ = ["FlopsBreakdown", "model_flops_per_token", "MatmulPeak", "measure_matmul_peak", "mfu",
+__all__ = ["FlopsBreakdown", "model_flops_per_token", "MatmulPeak", "measure_matmul_peak", "mfu", "hfu",
            "PEAK_FLOPS", "tokens_per_second", "format_flops"]
 
 # Dense (no sparsity) datasheet peaks in FLOP/s.
@@ -116,6 +116,15 @@ def mfu(flops_per_token: float, tokens_per_second: float, peak_flops: float) -> 
     if peak_flops <= 0:
         raise ValueError(f"peak_flops must be positive, got {peak_flops!r}")
     return flops_per_token * tokens_per_second / peak_flops
+
+
+def hfu(flops_per_token: float, tokens_per_second: float, peak_flops: float,
+        recomputed_flops_per_token: float = 0.0) -> float:
+    """Hardware FLOPs utilisation: like :func:`mfu`, but counting the FLOPs the hardware actually ran,
+    activation recomputation included (Korthikanti et al. 2022; PaLM reports both). At the same
+    throughput HFU/MFU = 1 + recomputed/model FLOPs (≤ 4/3 for full recomputation): a run that
+    recomputes more looks busier by HFU while its MFU — the model's progress — is unchanged."""
+    return mfu(flops_per_token + recomputed_flops_per_token, tokens_per_second, peak_flops)
 
 
 def tokens_per_second(mfu_value: float, flops_per_token: float, peak_flops: float, devices: int = 1) -> float:

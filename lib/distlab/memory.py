@@ -243,6 +243,7 @@ class ModelMemory:
     grads: float
     optimizer: float
     activations: float
+    transient: float = 0.0  # only at the peak (``model_memory(peak=True)``): a recomputed layer, a gathered unit
 
     @property
     def states(self) -> float:
@@ -250,29 +251,40 @@ class ModelMemory:
 
     @property
     def total(self) -> float:
-        return self.states + self.activations
+        return self.states + self.activations + self.transient
 
     def gib(self) -> dict[str, float]:
-        names = ("params", "grads", "optimizer", "activations", "states", "total")
+        names = ("params", "grads", "optimizer", "activations", "transient", "states", "total")
         return {name: getattr(self, name) / GiB for name in names}
 
 
 def model_memory(n_params: int, world_size: int, zero_stage: int, precision: str = "mixed", *,
                  n_layer: int = 0, seq_len: int = 0, micro_batch: int = 0, d_model: int = 0, n_head: int = 1,
-                 checkpointing: bool = False, bytes_per_value: int = 2) -> ModelMemory:
+                 checkpointing: bool = False, bytes_per_value: int = 2, flash_attention: bool = False,
+                 peak: bool = False, unit_params: float = 0) -> ModelMemory:
     """Per-rank training memory: ``n_params · bytes_per_param`` plus ``n_layer`` layers of
     activations for one micro-batch (ZeRO shards model states, never activations).
 
-    Leave the shape arguments at 0 for model states only. Not included: embeddings/logits
-    activations, temporary buffers, fragmentation, and the one layer recomputed at a time
-    under checkpointing — real peaks sit somewhat above this.
+    Leave the shape arguments at 0 for model states only. ``flash_attention``: no s×s scores
+    (:func:`activation_bytes_per_layer`). ``peak=True`` adds, as ``transient``, what exists only
+    while one layer computes: under checkpointing that layer's full activations (its forward runs
+    again in backward), and under ZeRO-3 the gathered unit of ``unit_params`` parameters — its
+    full weights and, before the reduce-scatter, its full gradients in the compute dtype. Still
+    not included: embeddings/logits activations, a prefetched next unit, communication buffers and
+    fragmentation — real peaks sit somewhat above even this.
     """
     per = bytes_per_param(zero_stage, world_size, precision)
-    act = 0
+    act = transient = 0
     if n_layer and seq_len and micro_batch and d_model:
         act = n_layer * activation_bytes_per_layer(seq_len, micro_batch, d_model, n_head, checkpointing,
-                                                   bytes_per_value)
-    return ModelMemory(n_params * per.params, n_params * per.grads, n_params * per.optimizer, act)
+                                                   bytes_per_value, flash_attention)
+        if peak and checkpointing:
+            transient += activation_bytes_per_layer(seq_len, micro_batch, d_model, n_head, False, bytes_per_value,
+                                                    flash_attention)
+    if peak and zero_stage == 3:
+        weights, grads, _ = _UNSHARDED[precision]
+        transient += unit_params * (weights + grads)
+    return ModelMemory(n_params * per.params, n_params * per.grads, n_params * per.optimizer, act, transient)
 
 
 @dataclass(frozen=True)
@@ -291,16 +303,22 @@ class Preset:
     @property
     def n_params(self) -> int:
         """Exact Llama parameter count: GQA attention, SwiGLU MLP (3 matrices), RMSNorms, untied head."""
+        return self.n_layer * self.layer_params + 2 * self.vocab_size * self.d_model + self.d_model
+
+    @property
+    def layer_params(self) -> int:
+        """Parameters of one transformer layer: one FSDP unit when every block is wrapped."""
         d, kv = self.d_model, self.n_kv_head * (self.d_model // self.n_head)
-        per_layer = 2 * d * d + 2 * d * kv + 3 * d * self.ffn_dim + 2 * d
-        return self.n_layer * per_layer + 2 * self.vocab_size * d + d
+        return 2 * d * d + 2 * d * kv + 3 * d * self.ffn_dim + 2 * d
 
     def memory(self, world_size: int, zero_stage: int, micro_batch: int = 1, checkpointing: bool = False,
-               precision: str = "mixed") -> ModelMemory:
-        """:func:`model_memory` for this model at its pre-training sequence length."""
+               precision: str = "mixed", flash_attention: bool = False, peak: bool = False) -> ModelMemory:
+        """:func:`model_memory` for this model at its pre-training sequence length (``peak``: one layer
+        recomputed and, under ZeRO-3, one layer gathered as the unit)."""
         return model_memory(self.n_params, world_size, zero_stage, precision, n_layer=self.n_layer,
                             seq_len=self.seq_len, micro_batch=micro_batch, d_model=self.d_model,
-                            n_head=self.n_head, checkpointing=checkpointing)
+                            n_head=self.n_head, checkpointing=checkpointing, flash_attention=flash_attention,
+                            peak=peak, unit_params=self.layer_params)
 
 
 PRESETS: dict[str, Preset] = {

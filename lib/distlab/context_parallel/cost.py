@@ -37,11 +37,19 @@ def ulysses_bytes(batch: int, heads: int, seq_len: int, head_dim: int, world_siz
     return once * (2 if backward else 1)
 
 
-def hidden_transfer_tokens(flops_per_second: float, link_bytes_per_second: float, bytes_per_value: int = 2) -> float:
+def hidden_transfer_tokens(flops_per_second: float, link_bytes_per_second: float, bytes_per_value: int = 2,
+                           heads: int = 1, kv_heads: int | None = None) -> float:
     """Tokens per rank from which ring attention hides its K/V transfer behind the block's compute.
 
-    Per head and step a rank computes ``4·t²·d`` FLOPs (QKᵀ and P·V over its ``t`` queries and the
-    block's ``t`` keys) while ``2·t·d·bytes`` of K and V cross the link: hidden when
-    ``4t²d/F ≥ 2td·bytes/β``, i.e. ``t ≥ bytes·F / (2β)`` — independent of head size and count.
+    Per step a rank computes ``4·t²·d`` FLOPs per *query* head (QKᵀ and P·V over its ``t`` queries and
+    the block's ``t`` keys) while ``2·t·d·bytes`` per *K/V* head cross the link: hidden when
+    ``4t²d·H/F ≥ 2td·H_kv·bytes/β``, i.e. ``t ≥ bytes·F·H_kv / (2β·H)``. Independent of the head size;
+    with grouped-query attention (``kv_heads`` < ``heads``: a 70B Llama has 8 K/V heads for 64 query
+    heads) the block carries ``H_kv/H`` as many bytes per FLOP and the threshold falls by that factor.
+    Below it each step waits for the rest of its transfer: the exposed time is the bandwidth term
+    ``bytes/β`` minus the compute, not a per-message latency.
     """
-    return bytes_per_value * flops_per_second / (2 * link_bytes_per_second)
+    kv = heads if kv_heads is None else kv_heads
+    if heads < 1 or not 1 <= kv <= heads or heads % kv:
+        raise ValueError(f"kv_heads={kv} must divide heads={heads} (each K/V head serves heads/kv_heads query heads)")
+    return bytes_per_value * flops_per_second * kv / (2 * link_bytes_per_second * heads)

@@ -12,6 +12,7 @@ and noticing what does not crash: hangs, loss spikes, NaNs, silently corrupted b
 * :mod:`~distlab.fault_tolerance.resume` — a resumable DDP job and the supervisor that restarts it.
 * :mod:`~distlab.fault_tolerance.guards` — loss-spike/NaN guard, skip and rollback, NaN diagnosis.
 * :mod:`~distlab.fault_tolerance.detect` — replica hashes and gradient norms for SDC, a hang's suspect.
+* :mod:`~distlab.fault_tolerance.stragglers` — one slow rank paces every synchronous step; finding it.
 * :mod:`~distlab.fault_tolerance.cadence` — Young/Daly checkpoint intervals from the failure rate.
 """
 
@@ -67,6 +68,7 @@ from distlab.fault_tolerance.resume import (
     run_with_restarts,
     train_step_ddp,
 )
+from distlab.fault_tolerance.stragglers import find_stragglers, pace_by_rank, straggler_steps
 
 __all__ = [
     "LLAMA3", "daly_interval", "expected_lost_work", "job_mtbf_hours", "plan_cadence", "waste_fraction",
@@ -76,5 +78,6 @@ __all__ = [
     "find_divergent_replicas", "fingerprint", "grad_norm_outliers", "hang_suspects", "local_grad_norm",
     "DyingWriter", "Fault", "corrupt_file", "die", "flip_bit", "flip_bit_on_disk", "hang_in_recv", "SpikeGuard",
     "diagnose_nonfinite", "guarded_train", "masked_cross_entropy", "MetricsLog", "RestartReport", "ShuffledOrder",
-    "TrainSetup", "make_training", "resumable_train", "run_with_restarts", "train_step_ddp",
+    "TrainSetup", "make_training", "resumable_train", "run_with_restarts", "train_step_ddp", "find_stragglers",
+    "pace_by_rank", "straggler_steps",
 ]

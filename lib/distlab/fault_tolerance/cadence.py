@@ -92,6 +92,13 @@ class Cadence:
     daly_minutes: float
     lost_minutes_per_failure: float
     waste: float  # at Young's interval
+    young_minutes: float = 0.0  # √(2δM) alone, before the write bounds it
+    write_seconds: float = 0.0  # an async save's background write (0 for a synchronous one)
+
+    @property
+    def write_bound(self) -> bool:
+        """True when Young's interval is shorter than the write: checkpoints are then written back to back."""
+        return self.young_minutes * 60 < self.write_seconds
 
     def __str__(self) -> str:
         return (f"{self.n_gpus:>6,} GPUs: MTBF {self.mtbf_hours:7.2f} h; checkpoint stall "
@@ -110,6 +117,7 @@ def plan_cadence(n_gpus: int, checkpoint_seconds: float, restart_seconds: float 
     """
     mtbf_s = job_mtbf_hours(n_gpus, record) * 3600
     tau = max(young_interval(checkpoint_seconds, mtbf_s), write_seconds)
+    young = young_interval(checkpoint_seconds, mtbf_s)
     return Cadence(n_gpus, mtbf_s / 3600, checkpoint_seconds, restart_seconds, tau / 60,
                    daly_interval(checkpoint_seconds, mtbf_s) / 60, expected_lost_work(tau, restart_seconds) / 60,
-                   waste_fraction(tau, checkpoint_seconds, mtbf_s, restart_seconds))
+                   waste_fraction(tau, checkpoint_seconds, mtbf_s, restart_seconds), young / 60, write_seconds)

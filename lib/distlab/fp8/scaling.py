@@ -41,8 +41,10 @@ def gradient_underflow(model: nn.Module, x: torch.Tensor, y: torch.Tensor,
     ``torch.autocast(dtype)`` and count, at every ``nn.Linear`` output (the activation
     gradients that flow backward in that dtype), the elements that are non-zero in float32
     but zero in ``dtype``, and the weight-gradient elements lost the same way. A multiplier
-    below 1 is what gradient accumulation does to a micro-batch (its loss is divided by the
-    number of micro-batches). The float32 backward runs once, at S = 1; multiplying its
+    below 1 gives this batch the per-token magnitudes of a rank that averages its loss over
+    1/S times as many tokens per step (its micro-batch times its accumulation steps);
+    data-parallel averaging is not among them: it divides the parameter gradients after
+    backward. The float32 backward runs once, at S = 1; multiplying its
     gradients by S is exact while S is a power of two. Returns ``{(dtype, S): {...}}`` with the
     lost fractions and the median magnitude of the float32 activation gradients at S.
     """

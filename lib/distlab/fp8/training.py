@@ -82,11 +82,12 @@ def train_recipe(recipe: str, cfg: GPTConfig | None = None, steps: int = 100, ba
                  path: str = "auto", loss_divisor: float = 1.0) -> TrainResult:
     """Train ``GPT(cfg, seed)`` for ``steps`` AdamW steps under ``recipe``; losses in float32.
 
-    ``loss_divisor=D`` gives backward the gradient magnitudes of one micro-batch in a run
-    whose global batch is D times ours: the loss is divided by D, as that run's
-    accumulation loop divides it, and the gradients are multiplied by D before AdamW
-    (standing in for the sum over the other micro-batches), so in float32 the run is
-    unchanged and any difference is what the low-precision backward lost.
+    ``loss_divisor=D`` gives backward the gradient magnitudes of one rank of a run in which
+    each rank averages its loss over D times our tokens per step (its micro-batch times its
+    accumulation steps; data-parallel averaging divides parameter gradients after backward and
+    never reaches the activation gradients): the loss is divided by D, and the gradients are
+    multiplied by D before AdamW (standing in for the other micro-batches and ranks), so in
+    float32 the run is unchanged and any difference is what the low-precision backward lost.
 
     ``scaler``: for ``fp16+scaler``, an object with ``scale(loss)``, ``step(opt)``,
     ``update()``, ``get_scale()`` (default: ``torch.amp.GradScaler`` with growth every 100

@@ -36,7 +36,7 @@ from distlab.runtime.launch import (
 
 __all__ = ["JOB_TIMEOUT", "LONG_JOB_TIMEOUT", "ATOL", "WEIGHT_ATOL", "lab_seed", "rank_seed", "case_gradient_bytes",
            "first_line", "raise_if_untouched", "launch_failures_fail_the_check", "run_on_ranks", "max_difference",
-           "is_close", "assert_close"]
+           "is_close", "assert_close", "with_reference"]
 
 # Seconds one checker job may run: long enough for a rank starved on a busy laptop, short enough that an
 # endless loop outside any collective (which no collective timeout sees) fails the check instead of hanging it.
@@ -202,3 +202,41 @@ def assert_close(where: str, what: str, got, expected: torch.Tensor, atol: float
         raise CheckFailed(f"{where}: {what} differs from the reference by up to {diff:.3g}, more than {atol:g} "
                           f"(at {list(index)}: {got[index].item():.6g}, expected {expected[index].item():.6g})"
                           + (f": {hint}" if hint else ""))
+
+
+# ---------------------------------------------------------------- grading one exercise on its own
+
+def with_reference(student, **pieces):
+    """``student`` (a function or a class) with the global names in ``pieces`` bound to the library's versions.
+
+    An exercise that builds on an earlier one (lab 05's MLP on its linears, lab 08's layer on its router) calls
+    the earlier answer by its global name in the notebook. Graded as written, a mistake in the earlier exercise
+    fails the later one too, with a message about the wrong exercise; graded with the reference in its place,
+    each exercise counts for what it adds. Only names the student's code looks up globally are replaced: a
+    piece reached another way (an attribute, a closure) stays the student's. A class becomes a subclass whose
+    methods are rebuilt on the new globals, so ``super()`` and ``isinstance`` keep working.
+    """
+    import types  # noqa: PLC0415  only this helper rebuilds functions
+
+    def names(code) -> set[str]:  # the globals a function and the functions nested in it look up
+        return set(code.co_names).union(*(names(c) for c in code.co_consts if isinstance(c, types.CodeType)))
+
+    def rebind(fn):
+        if not isinstance(fn, types.FunctionType) or not names(fn.__code__) & set(pieces):
+            return fn
+        copy = types.FunctionType(fn.__code__, {**fn.__globals__, **pieces}, fn.__name__, fn.__defaults__,
+                                  fn.__closure__)
+        copy.__kwdefaults__, copy.__qualname__, copy.__doc__ = fn.__kwdefaults__, fn.__qualname__, fn.__doc__
+        return copy
+
+    if not isinstance(student, type):
+        return rebind(student)
+    methods = {}
+    for name, value in vars(student).items():
+        function = value.__func__ if isinstance(value, staticmethod | classmethod) else value
+        if isinstance(function, types.FunctionType) and rebind(function) is not function:
+            methods[name] = type(value)(rebind(function)) if function is not value else rebind(function)
+    if not methods:
+        return student  # nothing of it looks up a replaced name
+    return type(student.__name__, (student,), {**methods, "__qualname__": student.__qualname__ + "[reference]",
+                                                "__module__": student.__module__})

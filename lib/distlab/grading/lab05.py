@@ -6,7 +6,10 @@ and upstream gradients are drawn from a fixed-seed generator; the parent process
 same dense layer and compares every rank's output, input gradient and parameter gradients
 with the matching slices of the dense ones (fp32, 1e-5), and the collectives each phase
 issued (from distlab's comm log) with what Megatron-LM's layer issues. Failure messages name
-the case, the rank, the tensor and, where a mistake has a signature, its usual cause.
+the case, the rank, the tensor and, where a mistake has a signature, its usual cause — also when it
+surfaces as a rank's error (autograd's "invalid gradient", an index past the weight on rank 2).
+An exercise built on earlier ones (5.2 on f and g, 5.3–5.5 on the linears) runs on distlab's versions
+of those pieces (:func:`~distlab.grading.harness.with_reference`), so a mistake fails only its own check.
 An untouched stub's ``NotImplementedError`` propagates and is reported as "not attempted" — found by
 calling the student's code once in this process first (:func:`_stub_probe`), so an unfinished lab
 starts no ranks for it.
@@ -15,6 +18,7 @@ starts no ranks for it.
 from __future__ import annotations
 
 import random
+import re
 from dataclasses import dataclass
 
 import torch
@@ -23,12 +27,22 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from distlab.grading import CheckFailed, quiz
-from distlab.grading.harness import assert_close, is_close, lab_seed, run_on_ranks
+from distlab.grading.harness import assert_close, first_line, is_close, lab_seed, run_on_ranks, with_reference
 from distlab.grading.registry import Exercise
 from distlab.model import Block, GPTConfig
-from distlab.tensor_parallel.communication import comm_since, comm_snapshot, tp_group, tp_rank
+from distlab.runtime.errors import RankFailed
+from distlab.tensor_parallel.communication import (
+    CopyToTensorParallel,
+    ReduceFromTensorParallel,
+    comm_since,
+    comm_snapshot,
+    copy_to_tp,
+    reduce_from_tp,
+    tp_group,
+    tp_rank,
+)
 from distlab.tensor_parallel.gpt import shard_of
-from distlab.tensor_parallel.layers import qkv_rows, shard_range
+from distlab.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, qkv_rows, shard_range
 
 __all__ = ["EXERCISES", "Case", "check_conjugate_functions", "check_parallel_linears", "check_parallel_mlp",
            "check_parallel_attention", "check_vocab_parallel", "check_sequence_parallel"]
@@ -75,9 +89,82 @@ def _randn(shape, *seed) -> torch.Tensor:
 
 
 def _launch(worker, *args):
-    return run_on_ranks(worker, WORLD, *args, what="your code", collective_timeout=COLLECTIVE_TIMEOUT,
-                        advice="Every rank of a TP group must make the same collective calls, on the TP group "
-                               "(group=...).")
+    """Run ``worker`` on the 4 ranks; a rank's error that has a usual cause becomes a failure naming it."""
+    case = next(arg for arg in args if isinstance(arg, Case))
+    try:
+        return run_on_ranks(worker, WORLD, *args, what="your code", collective_timeout=COLLECTIVE_TIMEOUT,
+                            advice="Every rank of a TP group must make the same collective calls, on the TP group "
+                                   "(group=...).")
+    except RankFailed as error:
+        named = _named_rank_error(error, case)
+        if named is None:
+            raise
+        raise CheckFailed(named) from None
+
+
+_INVALID_GRADIENT = re.compile(r"Function (\w+?)Backward returned an invalid gradient at index (\d+) - got "
+                               r"\[([\d, ]*)\] but expected shape compatible with \[([\d, ]*)\]")
+
+
+_SHAPE_MISMATCH = re.compile(r"Mismatch in shape: grad_output\[0\] has a shape of torch.Size\(\[([\d, ]*)\]\) and "
+                             r"output\[0\] has a shape of torch.Size\(\[([\d, ]*)\]\)")
+
+
+def _named_rank_error(error: RankFailed, case: Case) -> str | None:
+    """What a rank's error usually means in this lab, or None: autograd's "invalid gradient" from a backward
+    that returns the wrong shape and its "mismatch in shape" from a forward that does (5.6), an index past the
+    weight from slicing with the global rank (5.2-5.5)."""
+    text = str(error)
+    invalid = _INVALID_GRADIENT.search(text)
+    if invalid:
+        name, got, expected = invalid.group(1), invalid.group(3), invalid.group(4)
+        got_shape, expected_shape = ([int(v) for v in shape.split(",") if v.strip()] for shape in (got, expected))
+        head = f"{case}: {name}'s backward returned a gradient of shape [{got}] for its input of shape [{expected}]"
+        if len(got_shape) == len(expected_shape) == 3 and got_shape[1] == case.tp * expected_shape[1]:
+            return (f"{name}'s backward returned the full-sequence gradient [{got}] for a shard of shape "
+                    f"[{expected}] ({case}): the backward of an all-gather is a reduce-scatter — sum the group's "
+                    f"gradients and keep this rank's part (reduce_scatter_along_sequence)")
+        if len(got_shape) == len(expected_shape) == 3 and expected_shape[1] == case.tp * got_shape[1]:
+            return (f"{name}'s backward returned the shard's gradient [{got}] for a full-sequence input of shape "
+                    f"[{expected}] ({case}): the backward of a reduce-scatter is an all-gather of the shards' "
+                    f"gradients (all_gather_sequence)")
+        return f"{head}: backward returns one gradient per input of forward, shaped like that input (None for group)"
+    mismatch = _SHAPE_MISMATCH.search(text)
+    if mismatch:
+        expected, got = ([int(v) for v in shape.split(",") if v.strip()] for shape in mismatch.groups())
+        hint = ("the right number of values along the wrong dimension: concatenate along the sequence (dimension 1 "
+                "of [batch, seq, hidden]), not the hidden size" if len(got) == len(expected) == 3 and got[2] !=
+                expected[2] and got[1] * got[2] == expected[1] * expected[2] else "look at which dimension you split "
+                "or concatenate")
+        return f"{case}: an output of your code has shape {got} where the reference's has {expected}: {hint}"
+    if error.exc_type == "IndexError" and case.tp < WORLD and error.rank >= case.tp:
+        return (f"{case}: rank {error.rank} raised IndexError ({first_line(error).split(': ', 1)[-1]}) while ranks "
+                f"0-{case.tp - 1} did not: global rank {error.rank} is rank {error.rank % case.tp} of its TP group, "
+                f"so take this rank's slice with dist.get_rank(group), not the global dist.get_rank()")
+    return None
+
+
+# ---------------------------------------------------------------- each exercise graded on its own
+
+class _ReferenceColumn(ColumnParallelLinear):
+    """distlab's column-parallel layer with the notebook's signature (``rows`` and ``gather_output`` positional)."""
+
+    def __init__(self, dense, group=None, rows=None, gather_output=False, **options):
+        super().__init__(dense, group, rows=rows, gather_output=gather_output, **options)
+
+
+class _ReferenceRow(RowParallelLinear):
+    """distlab's row-parallel layer with the notebook's signature."""
+
+    def __init__(self, dense, group=None, **options):
+        super().__init__(dense, group, **options)
+
+
+# The notebook's names for exercise 5.1's pieces (f, g and their autograd functions) and 5.2's layers, bound to
+# distlab's versions when a later exercise is graded, so that a mistake in 5.1 or 5.2 fails only its own check.
+_REFERENCE_5_1 = dict(f=copy_to_tp, g=reduce_from_tp, CopyToTP=CopyToTensorParallel,
+                      ReduceFromTP=ReduceFromTensorParallel)
+_REFERENCE_5_2 = dict(_REFERENCE_5_1, ColumnParallelLinear=_ReferenceColumn, RowParallelLinear=_ReferenceRow)
 
 
 def _stub_probe(*calls) -> None:
@@ -99,7 +186,11 @@ def _stub_probe(*calls) -> None:
 # ---------------------------------------------------------------- comparing
 
 def _expect(case, rank: int, what: str, got, expected, hint: str = "") -> None:
-    """``what`` on ``rank`` equals the dense layer's slice (:func:`assert_close`), named like the checks beside it."""
+    """``what`` on ``rank`` equals the dense layer's slice (:func:`assert_close`), named like the checks beside it;
+    a wrong shape gets the hint too (a slice of the wrong dimension is the usual cause)."""
+    if hint and isinstance(got, torch.Tensor) and tuple(got.shape) != tuple(expected.shape):
+        raise CheckFailed(f"{case}, rank {rank}: {what} has shape {tuple(got.shape)}, expected "
+                          f"{tuple(expected.shape)}: {hint}")
     assert_close(f"{case}, rank {rank}", what, got, expected, hint=hint)
 
 
@@ -198,7 +289,10 @@ def check_conjugate_functions(f, g) -> str:
             _expect_collectives(case, rank, "f in forward", out["f forward"], {})
             _expect_collectives(case, rank, "f in backward", out["f backward"], {"all_reduce": (1, nbytes)})
             z_sum = sum(_randn(shape, case.seed, 3, r) for r in members)
+            averaged = is_close(out["g output"], z_sum / case.tp)
             _expect(case, rank, "g(x) in forward", out["g output"], z_sum,
+                    f"the average over the group, not the sum: each of the {case.tp} ranks holds a partial sum of "
+                    f"the output, so g adds them (no division)" if averaged else
                     "g returns the sum of x over the TP group (all-reduce a copy on the group)")
             _expect(case, rank, "x.grad after g", out["g grad"], _randn(shape, case.seed, 4, rank // case.tp),
                     "g's backward is the identity: the output's gradient is already the same on every rank")
@@ -262,6 +356,8 @@ def _dense_pass(layer, x, upstream):
 def check_parallel_linears(column_cls, row_cls) -> str:
     """5.2: ``ColumnParallelLinear(dense, group, rows=None, gather_output=False)`` and
     ``RowParallelLinear(dense, group)``."""
+    column_cls, row_cls = (with_reference(cls, **_REFERENCE_5_1) for cls in (column_cls, row_cls))  # before the
+    # probe, so that an untouched 5.1 does not make a finished 5.2 "not attempted"
     _stub_probe(lambda: column_cls(nn.Linear(4, 4), None)(torch.zeros(1, 4)),
                 lambda: row_cls(nn.Linear(4, 4), None)(torch.zeros(1, 4)))
     rng = random.Random(_SEED + 2)
@@ -281,14 +377,15 @@ def check_parallel_linears(column_cls, row_cls) -> str:
             block = shard_range(case.d_out, case.tp, r)
             for key, rows in (("column", torch.arange(case.d_out)[block]),
                               ("column rows", _column_rows(case, custom=True)[r])):
-                res, what = out[key], "ColumnParallelLinear" + (" with rows=" if key == "column rows" else "")
+                res, what = out[key], "ColumnParallelLinear" + ("(rows=...)" if key == "column rows" else "")
                 _expect_parameters(case, rank, what, res["grads"], names)
                 _expect(case, rank, f"{what}.weight's gradient", res["grads"]["weight"], grads["weight"][rows],
                         "a column-parallel layer keeps rows (output features) of dense.weight" +
                         (", those listed in rows" if key == "column rows" else ""))
                 if case.bias:
                     _expect(case, rank, f"{what}.bias's gradient", res["grads"]["bias"], grads["bias"][rows])
-                _expect(case, rank, f"{what}'s output", res["output"], y[..., rows])
+                _expect(case, rank, f"{what}'s output", res["output"], y[..., rows],
+                        "keep exactly the rows listed in rows, in their order" if key == "column rows" else "")
                 _expect(case, rank, f"{what}'s input gradient", res["input grad"], x_grad,
                         "the input enters through f: its gradient is summed over the TP group")
                 _expect_collectives(case, rank, f"{what} in forward", res["forward"], {})
@@ -305,7 +402,10 @@ def check_parallel_linears(column_cls, row_cls) -> str:
             _expect(case, rank, "RowParallelLinear.weight's gradient", res["grads"]["weight"],
                     grads_row["weight"][:, cols], "a row-parallel layer keeps columns (input features) of dense.weight")
             hint = ""
-            if case.bias and is_close(res["output"], y_row + (case.tp - 1) * dense_row.bias.detach()):
+            if "all_reduce" not in res["forward"]:
+                hint = ("no all-reduce in forward, so each rank returned its partial product: sum it over the TP "
+                        "group with g, then add the bias")
+            elif case.bias and is_close(res["output"], y_row + (case.tp - 1) * dense_row.bias.detach()):
                 hint = (f"the bias was added on each of the {case.tp} ranks before the all-reduce, so it is counted "
                         f"{case.tp} times: add it once, after the reduction")
             _expect(case, rank, "RowParallelLinear's output", res["output"], y_row, hint)
@@ -315,7 +415,7 @@ def check_parallel_linears(column_cls, row_cls) -> str:
             _expect_collectives(case, rank, "RowParallelLinear in forward", res["forward"], {"all_reduce": (1, m_out)})
             _expect_collectives(case, rank, "RowParallelLinear in backward", res["backward"], {})
     return ("tp=2 (two groups) and tp=4: column (contiguous, custom rows, gathered) and row layers equal the dense "
-            "Linear in output and every gradient")
+            "Linear in output and every gradient (run on distlab's f and g, so 5.1 does not count here)")
 
 
 # ---------------------------------------------------------------- 5.3 / 5.4 the MLP and attention
@@ -348,6 +448,7 @@ def _worker_module(module_cls, kind: str, case: Case, n_head: int) -> dict:
 
 def _check_module(module_cls, kind: str, rng: random.Random, what: str, heads, hints: dict) -> list[Case]:
     small = _dense_block(GPTConfig(vocab_size=8, seq_len=4, n_layer=1, n_head=2, d_model=8), 0)
+    module_cls = with_reference(module_cls, **_REFERENCE_5_2)  # before the probe: an untouched 5.2 is not this one's
     _stub_probe(lambda: module_cls(getattr(small, kind), None)(torch.zeros(1, 4, 8)))
     cases = _cases(rng)
     for case in cases:
@@ -361,12 +462,12 @@ def _check_module(module_cls, kind: str, rng: random.Random, what: str, heads, h
         prefix = f"blocks.0.{kind}."
         for rank, out in enumerate(run):
             r = rank % case.tp
+            _expect(case, rank, f"{what}'s output", out["output"], y, hints.get("output", ""))
+            _expect(case, rank, f"{what}'s input gradient", out["input grad"], x_grad)
             _expect_parameters(case, rank, what, out["grads"], list(grads))
             for name, grad in grads.items():
                 expected = shard_of(prefix + name, grad, cfg, case.tp, r)
                 _expect(case, rank, f"{what}.{name}'s gradient", out["grads"][name], expected, hints.get(name, ""))
-            _expect(case, rank, f"{what}'s output", out["output"], y)
-            _expect(case, rank, f"{what}'s input gradient", out["input grad"], x_grad)
             _expect_collectives(case, rank, f"{what} in forward", out["forward"], {"all_reduce": (1, m)},
                                 "one all-reduce (the row-parallel projection's g), nothing else")
             _expect_collectives(case, rank, f"{what} in backward", out["backward"], {"all_reduce": (1, m)},
@@ -379,8 +480,11 @@ def check_parallel_mlp(mlp_cls) -> str:
     rng = random.Random(_SEED + 3)
     _check_module(mlp_cls, "mlp", rng, "TensorParallelMLP", lambda rng, case: 4,
                   {"fc.weight": "fc is column-parallel: keep its rows", "proj.weight": "proj is row-parallel: keep its "
-                   "columns, matching fc's rows"})
-    return "tp=2 (two groups) and tp=4: output and every gradient equal the dense MLP; one all-reduce each way"
+                   "columns, matching fc's rows",
+                   "output": "the MLP is proj(GELU(fc(x))): the GELU between the two linears, on each rank's slice of "
+                             "fc's output, before proj's all-reduce"})
+    return ("tp=2 (two groups) and tp=4: output and every gradient equal the dense MLP; one all-reduce each way "
+            "(run on distlab's linears, so 5.2 does not count here)")
 
 
 def check_parallel_attention(qkv_rows_fn, attention_cls) -> str:
@@ -396,9 +500,15 @@ def check_parallel_attention(qkv_rows_fn, attention_cls) -> str:
         if got.tolist() != expected.tolist():
             contiguous = torch.arange(3 * d_model)[shard_range(3 * d_model, tp, rank)]
             hint = ""
+            by_heads = torch.arange(rank * n_head // tp, (rank + 1) * n_head // tp)
             if got.tolist() == contiguous.tolist():
                 hint = (": that is a contiguous block of the packed rows, which mixes q, k and v; take your heads' "
                         "rows from each of q (rows 0…d), k (d…2d) and v (2d…3d)")
+            elif got.tolist() == expected[: len(expected) // 3].tolist():
+                hint = ": only the rows of q: take this rank's heads' rows of k (+d_model) and v (+2·d_model) too"
+            elif got.tolist() == torch.cat([by_heads + part * d_model for part in range(3)]).tolist():
+                hint = (": those count heads, not rows: a rank's heads span d_model/tp rows of q "
+                        "(n_head/tp heads of head_dim rows each)")
             raise CheckFailed(f"qkv_rows(d_model={d_model}, n_head={n_head}, tp={tp}, rank={rank}) returned "
                               f"{got.tolist()[:8]}…, expected {expected.tolist()[:8]}…{hint}")
     _check_module(attention_cls, "attn", rng, "TensorParallelAttention",
@@ -406,7 +516,7 @@ def check_parallel_attention(qkv_rows_fn, attention_cls) -> str:
                   {"qkv.weight": "keep the q, k and v rows of this rank's heads (qkv_rows)",
                    "proj.weight": "proj is row-parallel: keep the columns of this rank's heads"})
     return ("6 head layouts; tp=2 (two groups) and tp=4: output and every gradient equal the dense attention; "
-            "one all-reduce each way")
+            "one all-reduce each way (run on distlab's linears, so 5.2 does not count here)")
 
 
 # ---------------------------------------------------------------- 5.5 vocabulary-parallel embedding and loss
@@ -440,6 +550,7 @@ def _worker_vocab(embedding_cls, loss_fn, case: Case) -> dict:
 
 def check_vocab_parallel(embedding_cls, loss_fn) -> str:
     """5.5: ``VocabParallelEmbedding(embedding, group)``, ``vocab_parallel_cross_entropy(logits, targets, group)``."""
+    embedding_cls, loss_fn = (with_reference(code, **_REFERENCE_5_1) for code in (embedding_cls, loss_fn))
     _stub_probe(lambda: embedding_cls(nn.Embedding(8, 4), None)(torch.zeros(1, 2, dtype=torch.long)),
                 lambda: loss_fn(torch.zeros(1, 2, 8, requires_grad=True), torch.zeros(1, 2, dtype=torch.long), None))
     rng = random.Random(_SEED + 5)
@@ -458,13 +569,13 @@ def check_vocab_parallel(embedding_cls, loss_fn) -> str:
             r = rank % case.tp
             rows = shard_range(vocab, case.tp, r)
             emb = out["embedding"]
+            _expect(case, rank, "VocabParallelEmbedding's output", emb["output"], y.detach(),
+                    "look up only your rows (shift the ids by your first row), zero the tokens outside them, and "
+                    "sum over the TP group")
             _expect_parameters(case, rank, "VocabParallelEmbedding", emb["grads"], ["weight"])
             _expect(case, rank, "VocabParallelEmbedding.weight's gradient", emb["grads"]["weight"],
                     dense.weight.grad[rows],
                     f"rank {r} of the group keeps vocabulary rows {rows.start}…{rows.stop - 1}")
-            _expect(case, rank, "VocabParallelEmbedding's output", emb["output"], y.detach(),
-                    "look up only your rows (shift the ids by your first row), zero the tokens outside them, and "
-                    "sum over the TP group")
             _expect_collectives(case, rank, "VocabParallelEmbedding in forward", emb["forward"],
                                 {"all_reduce": (1, 4 * y.numel())})
             for scale in (1.0, 60.0):
@@ -474,6 +585,8 @@ def check_vocab_parallel(embedding_cls, loss_fn) -> str:
                 res = out[f"loss x{scale:g}"]
                 hint = "" if scale == 1.0 else ("with logits of size ~60, exp() overflows: subtract the max over the "
                                                 "whole vocabulary (all-reduce with op=MAX) before exp")
+                if is_close(res["loss"].reshape(()), loss.detach() * tokens, rtol=1e-5):
+                    hint = f"that is the sum over the {tokens} tokens: return the mean"
                 _expect(case, rank, f"the loss (logits x{scale:g})", res["loss"].reshape(()), loss.detach(), hint)
                 _expect(case, rank, f"the logits' gradient (logits x{scale:g})", res["grad"], logits.grad[..., rows],
                         hint or "the gradient of each rank's slice is softmax − one_hot on that slice, divided by "
@@ -589,27 +702,41 @@ def check_sequence_parallel(gather_fn, scatter_fn) -> str:
 
 
 EXERCISES = [
-    Exercise("5.1", "f and g: the conjugate all-reduce functions", 2, check_conjugate_functions),
-    Exercise("5.2", "column- and row-parallel linear layers", 3, check_parallel_linears),
-    Exercise("5.3", "the Megatron MLP: one all-reduce each way", 2, check_parallel_mlp),
-    Exercise("5.4", "attention with the heads split over ranks", 3, check_parallel_attention),
-    Exercise("5.5", "vocabulary-parallel embedding and cross-entropy", 3, check_vocab_parallel),
-    Exercise("5.6", "sequence parallelism: all-gather in, reduce-scatter out", 3, check_sequence_parallel),
+    Exercise("5.1", "f and g: the conjugate all-reduce functions", 2, check_conjugate_functions,
+             references=("distlab.tensor_parallel.communication.CopyToTensorParallel",
+                         "distlab.tensor_parallel.communication.ReduceFromTensorParallel",
+                         "distlab.tensor_parallel.communication.copy_to_tp",
+                         "distlab.tensor_parallel.communication.reduce_from_tp")),
+    Exercise("5.2", "column- and row-parallel linear layers", 3, check_parallel_linears,
+             references=("distlab.tensor_parallel.layers.ColumnParallelLinear",
+                         "distlab.tensor_parallel.layers.RowParallelLinear")),
+    Exercise("5.3", "the Megatron MLP: one all-reduce each way", 2, check_parallel_mlp,
+             references=("distlab.tensor_parallel.layers.TensorParallelMLP",)),
+    Exercise("5.4", "attention with the heads split over ranks", 3, check_parallel_attention,
+             references=("distlab.tensor_parallel.layers.TensorParallelAttention",
+                         "distlab.tensor_parallel.layers.qkv_rows")),
+    Exercise("5.5", "vocabulary-parallel embedding and cross-entropy", 3, check_vocab_parallel,
+             references=("distlab.tensor_parallel.layers.VocabParallelEmbedding",
+                         "distlab.tensor_parallel.layers.vocab_parallel_cross_entropy")),
+    Exercise("5.6", "sequence parallelism: all-gather in, reduce-scatter out", 3, check_sequence_parallel,
+             references=("distlab.tensor_parallel.communication.GatherSequence",
+                         "distlab.tensor_parallel.communication.ReduceScatterSequence",
+                         "distlab.tensor_parallel.communication.gather_sequence",
+                         "distlab.tensor_parallel.communication.reduce_scatter_sequence")),
     quiz.number("Q5.1", "all-reduces per block per training step (TP, no SP)", answer=4,
-                hint="count f and g in attention and in the MLP, forward and backward (section 9, Every collective "
-                     "counted)"),
+                hint="see the lab's section 9, Every collective counted (the chapter's section 5)"),
     quiz.number("Q5.2", "MiB in one TP all-reduce of a 70B layer (4096 tokens, hidden 8192, bf16)", answer=64,
-                hint="the message is the layer's activation, b·s·h values of 2 bytes (section 13, Why TP stays "
-                     "inside an NVLink domain)"),
+                hint="see the lab's section 13, Why TP stays inside an NVLink domain: what one TP all-reduce "
+                     "carries (the chapter's section 8)"),
     quiz.choice("Q5.3", "what sequence parallelism puts in place of each TP all-reduce", answer="b", options="abcd",
                 hint="look at the collectives counted with and without SP (sections 7 and 9)"),
     quiz.number("Q5.4", "activation bytes per rank at TP=8 without SP, as a fraction of TP=1", answer=13 / 34,
-                rel_tol=0.02, hint="of the 34·sbh bytes of a layer, 10 stay whole on every rank and 24 are split "
-                                   "(section 10, Activation memory per rank)"),
+                rel_tol=0.02, hint="see the lab's section 10, Activation memory per rank: which of a layer's "
+                                   "activations TP splits and which stay whole (the chapter's section 7)"),
     quiz.number("Q5.5", "milliseconds for a 64 MiB ring all-reduce on 8 GPUs at 50 GB/s",
                 answer=2 * 7 / 8 * 2**26 / 50e9 * 1e3,
-                rel_tol=0.03, hint="a ring all-reduce sends 2(t−1)/t·M per GPU; divide by the link's bytes per "
-                                   "second (section 13)"),
+                rel_tol=0.03, hint="see the lab's section 13 and lab 02's ring all-reduce: the bytes a ring sends "
+                                   "per GPU, over the link (the chapter's section 8)"),
     quiz.choice("Q5.6", "why the number of attention heads must be divisible by the TP degree", answer="a",
                 options="abcd", hint="what does a rank need to compute softmax(q·kᵀ)·v for one head? (section 5, "
                                      "attention: split the heads)"),

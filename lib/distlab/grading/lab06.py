@@ -32,6 +32,7 @@ from distlab.pipeline_parallel import (
     check_partition,
     compute_spans,
     interleaved_bubble_fraction,
+    interleaved_warmup,
     make_schedule,
     pipeline_worker,
     reference_states,
@@ -41,7 +42,10 @@ from distlab.pipeline_parallel import (
 )
 
 _SEED = lab_seed(6)
-COLLECTIVE_TIMEOUT = 15.0  # a deadlocked executor fails in seconds; a busy laptop still gets headroom
+# every rank blocked in communication this long is a deadlock (a rank still computing is not): a message between
+# stages of the checkers' tiny models takes milliseconds, so 6 s is headroom on a busy laptop and a wrong peer
+# fails in seconds
+COLLECTIVE_TIMEOUT = 6.0
 
 __all__ = ["EXERCISES", "check_partitions", "check_schedules", "check_interleaved", "check_executor",
            "check_zero_bubble"]
@@ -88,6 +92,14 @@ def _expect_value_error(fn, args, where: str, why: str) -> None:
     raise CheckFailed(f"{where}: returned normally, expected a ValueError ({why})")
 
 
+def _ignores_ends(balanced_partition_fn) -> bool:
+    """Whether the split of four equal layers on two stages misses a heavy head or embedding, which only
+    an answer that leaves out ``first_extra``/``last_extra`` does (a greedy fill that counts them gets it)."""
+    probes = (((0.0, 10.0), [range(0, 3), range(3, 4)]), ((10.0, 0.0), [range(0, 1), range(1, 4)]))
+    return any(_as_ranges(balanced_partition_fn([1.0] * 4, 2, first, last), "probe") != want
+               for (first, last), want in probes)
+
+
 def check_partitions(even_partition, balanced_partition_fn) -> str:
     """6.1: ``even_partition(n_layers, n_stages)`` and
     ``balanced_partition(costs, n_stages, first_extra, last_extra)``."""
@@ -132,7 +144,8 @@ def check_partitions(even_partition, balanced_partition_fn) -> str:
         if max(mine) > best * (1 + 1e-9) + 1e-12:
             hint = ""
             without = max(stage_costs(balanced_partition(costs, stages_n), costs))
-            if max(stage_costs(got, costs)) <= without * (1 + 1e-9) and (first or last):
+            if (first or last) and max(stage_costs(got, costs)) <= without * (1 + 1e-9) \
+                    and _ignores_ends(balanced_partition_fn):
                 hint = (": your split is the best one if the embedding and the head cost nothing; add first_extra to "
                         "the first stage and last_extra to the last")
             hint = hint or (": a greedy fill is not enough; try every cut (dynamic programming) or binary-search the "
@@ -205,19 +218,27 @@ def check_schedules(gpipe_fn, one_f_one_b_fn) -> str:
 def check_interleaved(interleaved_fn) -> str:
     """6.3: ``interleaved_1f1b(p, m, v)``; m not a multiple of p must raise ValueError."""
     rng = random.Random(_SEED + 3)
-    cases = [(2, 2, 2), (4, 16, 2), (4, 8, 3), (3, 6, 2)]
+    cases = [(2, 2, 2), (4, 16, 2), (4, 8, 3), (3, 6, 2), (4, 8, 1), (3, 3, 1)]  # v = 1 must be 1F1B
     cases += [(p, p * rng.randint(1, 3), rng.randint(2, 4)) for p in (rng.randint(2, 5) for _ in range(4))]
     for p, m, v in cases:
         where, schedule = _run_schedule_fn(interleaved_fn, (p, m, v), "interleaved_1f1b")
+        for r, ops in enumerate(schedule):
+            first_backward = next((a for a in ops if getattr(a, "kind", None) == "B"), None)
+            if first_backward is not None and first_backward.stage // p != v - 1:
+                raise CheckFailed(f"{where}: rank {r}'s first backward runs its chunk {first_backward.stage // p} "
+                                  f"(stage {first_backward.stage}); a micro-batch's backward goes through the stages "
+                                  f"in reverse, so backward k runs chunk v-1-((k // p) % v), starting at the last")
         peaks = _check_one(where, schedule, m, v, interleaved_bubble_fraction(p, m, v))
         for r, peak in enumerate(peaks):
-            limit = min(2 * (p - r - 1) + (v - 1) * p + 1, m * v) / v  # warm-up forwards + one, a stage = 1/v
+            limit = min(interleaved_warmup(p, r, v) + 1, m * v) / v  # warm-up forwards + one, a stage = 1/v
             if peak > limit + 1e-9:
+                warmup = "p-r-1 forwards as 1F1B (v = 1 is 1F1B)" if v == 1 else "2(p-r-1) + (v-1)p forwards"
                 raise CheckFailed(f"{where}: rank {r} holds {peak:.2f} micro-batches' activations in flight "
-                                  f"(a stage counts 1/v); its warm-up of 2(p-r-1) + (v-1)p forwards and one "
-                                  f"steady forward hold at most {limit:.2f}: start the backwards sooner")
+                                  f"(a stage counts 1/v); its warm-up of {warmup} and one steady forward hold at "
+                                  f"most {limit:.2f}: start the backwards sooner")
     _expect_value_error(interleaved_fn, (4, 6, 2), "interleaved_1f1b(4, 6, 2)", "m=6 is not a multiple of p=4")
-    return f"{len(cases)} (p, m, v) cases: valid, bubble (p-1)/(v·m+p-1); m not a multiple of p raises ValueError"
+    return (f"{len(cases)} (p, m, v) cases, v = 1 included: valid, bubble (p-1)/(v·m+p-1), at most the warm-up + 1 "
+            f"in flight; m not a multiple of p raises ValueError")
 
 
 def check_zero_bubble(zero_bubble_fn) -> str:
@@ -256,10 +277,13 @@ def _executor_cases(rng: random.Random) -> list[dict]:
         return GPTConfig(vocab_size=rng.choice([48, 64, 96]), seq_len=rng.choice([8, 12, 16]), n_layer=n_layer,
                          n_head=n_head, d_model=n_head * rng.choice([4, 8]), tied_embeddings=rng.random() < 0.5)
 
-    return [  # all on 2 ranks: interleaved gives both ranks stages that receive and send
-        dict(p=2, schedule="1f1b", m=rng.choice([3, 4, 5]), v=1, cfg=cfg(rng.randint(2, 5))),
+    # p = 3 first: on 2 ranks the next and the previous rank are the same one, (s + 1) % 2 == (s - 1) % 2,
+    # so a message sent the wrong way round the ring would still arrive; interleaved on 3 ranks gives every
+    # rank stages that receive and send, and wraps from rank 2 to rank 0
+    return [
+        dict(p=3, schedule="1f1b", m=rng.choice([3, 4]), v=1, cfg=cfg(rng.randint(3, 5))),
+        dict(p=3, schedule="interleaved", m=3, v=2, cfg=cfg(6)),
         dict(p=2, schedule="1f1b", m=1, v=1, cfg=cfg(rng.randint(2, 4))),  # fewer micro-batches than stages
-        dict(p=2, schedule="interleaved", m=rng.choice([2, 4]), v=2, cfg=cfg(rng.randint(4, 6))),
     ]
 
 
@@ -296,8 +320,10 @@ def check_executor(execute) -> str:
         run = run_on_ranks(pipeline_worker, p, kwargs=dict(schedule=case["schedule"], cfg=cfg, m=m, v=v,
                            batch_size=batch, steps=steps, lr=lr, seed=seed, data_seed=data_seed, executor=execute),
                            what=f"your executor ({what})", collective_timeout=COLLECTIVE_TIMEOUT,
-                           advice="Post every receive the schedule lists (irecv) and wait for it only in the compute "
-                                  "that needs it.")
+                           advice="Check the peers: an activation of stage s goes to the rank of stage s+1, "
+                                  "(s + 1) % p, and comes from (s - 1) % p; a gradient the other way. Post every "
+                                  "receive the schedule lists (irecv) and wait for it only in the compute that "
+                                  "needs it.")
         ref = reference_states(cfg, steps=steps, batch_size=batch, lr=lr, seed=seed, data_seed=data_seed)
         ref_before = reference_states(cfg, steps=steps - 1, batch_size=batch, lr=lr, seed=seed, data_seed=data_seed)
         for r, out in enumerate(run):
@@ -315,8 +341,8 @@ def check_executor(execute) -> str:
                               f"{[round(x, 5) for x in ref.losses]}")
         _check_timeline(run, case, steps)
         _check_traffic(run, case, steps, rows)
-    return (f"{len(cases)} cases (1F1B, 1F1B with m < p, interleaved): weights equal the single-process "
-            f"run, spans follow the schedule, isend/irecv of one activation per message")
+    return (f"{len(cases)} cases (1F1B and interleaved on 3 ranks, 1F1B with m < p): weights equal the "
+            f"single-process run, spans follow the schedule, isend/irecv of one activation per message")
 
 
 def _check_timeline(run, case: dict, steps: int) -> None:
@@ -363,26 +389,31 @@ def _tied_bytes(cfg: GPTConfig) -> int:
 # ---------------------------------------------------------------- quiz
 
 EXERCISES = [
-    Exercise("6.1", "partition layers into stages: even and cost-balanced", 2, check_partitions),
-    Exercise("6.2", "GPipe and 1F1B schedules", 3, check_schedules),
-    Exercise("6.3", "interleaved 1F1B schedule", 2, check_interleaved),
-    Exercise("6.4", "run any schedule on real ranks", 4, check_executor),
-    Exercise("6.5", "bonus: zero-bubble ZB-H1 schedule", 1, check_zero_bubble),
-    quiz.number("Q6.1", "bubble fraction for p = 4 stages and m = 16 micro-batches", 3 / 19, abs_tol=0.002,
-                hint="(p-1)/(m+p-1): see 'The bubble, in theory'"),
-    quiz.number("Q6.2", "smallest m that keeps the 1F1B bubble at or below 5% with p = 8", 133, abs_tol=0,
-                hint="solve (p-1)/(m+p-1) <= 0.05 for m: see 'The bubble, measured'"),
-    quiz.number("Q6.3", "interleaved 1F1B bubble for p = 4, m = 16, v = 2", 3 / 35, abs_tol=0.002,
-                hint="(p-1)/(v·m+p-1): see 'Interleaved 1F1B'"),
-    quiz.number("Q6.4", "micro-batches in flight on rank 0 under 1F1B with p = 4, m = 16", 4, abs_tol=0,
-                hint="count the warm-up forwards plus the first steady one: see 'Memory: GPipe against 1F1B'"),
+    Exercise("6.1", "partition layers into stages: even and cost-balanced", 2, check_partitions,
+             references=("distlab.pipeline_parallel.partition.balanced_partition",
+                         "distlab.pipeline_parallel.partition.even_partition")),
+    Exercise("6.2", "GPipe and 1F1B schedules", 3, check_schedules,
+             references=("distlab.pipeline_parallel.schedules.gpipe",
+                         "distlab.pipeline_parallel.schedules.one_f_one_b")),
+    Exercise("6.3", "interleaved 1F1B schedule", 2, check_interleaved,
+             references=("distlab.pipeline_parallel.schedules.interleaved_1f1b",)),
+    Exercise("6.4", "run any schedule on real ranks", 4, check_executor,
+             references=("distlab.pipeline_parallel.executor.run_schedule",)),
+    Exercise("6.5", "bonus: zero-bubble ZB-H1 schedule", 1, check_zero_bubble,
+             references=("distlab.pipeline_parallel.schedules.zero_bubble_h1",)),
+    quiz.number("Q6.1", "bubble fraction for p = 8 stages and m = 24 micro-batches", 7 / 31, abs_tol=0.002,
+                hint="see 'The bubble, in theory' (the step is fill + steady state + drain)"),
+    quiz.number("Q6.2", "smallest m that keeps the 1F1B bubble at or below 5% with p = 6", 95, abs_tol=0,
+                hint="see 'The bubble, in theory' and solve its bubble fraction for m"),
+    quiz.number("Q6.3", "interleaved 1F1B bubble for p = 6, m = 12, v = 2", 5 / 29, abs_tol=0.002,
+                hint="see 'Interleaved 1F1B': what a stage slot is worth with v stages per rank"),
+    quiz.number("Q6.4", "micro-batches in flight on rank 2 under 1F1B with p = 6, m = 32", 4, abs_tol=0,
+                hint="see 'Memory: GPipe against 1F1B' and the 1F1B warm-up in Exercise 6.2"),
     quiz.number("Q6.5", "MiB sent forward per micro-batch between two stages of a 70B model (d_model 8192, "
                 "seq 4096, micro-batch 1, bf16)", 64, abs_tol=0.01,
-                hint="one activation of seq x micro-batch x d_model values: see 'Bytes between stages'"),
+                hint="see 'Bytes between stages': what one micro-batch's activation holds"),
     quiz.choice("Q6.6", "why pipeline parallelism is the parallelism that crosses nodes", "b", "abcd",
-                hint="compare what crosses a stage boundary with what tensor parallelism all-reduces: see 'Bytes "
-                     "between stages'"),
+                hint="see 'Bytes between stages'"),
     quiz.choice("Q6.7", "a guide says 'bubble = (p-1)/m'; what does that number measure", "c", "abcd",
-                hint="divide the bubble's time by the compute's, not by the whole step: see 'The bubble, in "
-                     "theory'"),
+                hint="see 'The bubble, in theory', the interview question worked out"),
 ]

@@ -121,6 +121,32 @@ def _no_rescale(q, k_blocks, v_blocks):
     return acc / row_sum.unsqueeze(-1)
 
 
+def _online_softmax_mistakes(q, k, v) -> dict[str, list[tuple[torch.Tensor, str]]]:
+    """What the usual wrong answers of 7.1 return, by output: each with the sentence that names the mistake."""
+    scale = 1.0 / math.sqrt(q.shape[-1])
+    s = (q @ k.transpose(-2, -1)) * scale
+    m = s.amax(-1)
+    weights = torch.exp(s - m.unsqueeze(-1))
+    row_sum, acc = weights.sum(-1), weights @ v
+    unscaled = q @ k.transpose(-2, -1)
+    return {
+        "out": [(torch.softmax(unscaled, -1) @ v, "the scores are not scaled: multiply q·k by 1/sqrt(d)"),
+                (acc, "out is the accumulator a: divide it by the running sum l at the end, o = a / l")],
+        "lse": [(torch.log(row_sum), "lse is log(l) alone: add the running max back, lse = m + log(l)"),
+                (m, "lse is the running max m alone: lse = m + log(l)"),
+                (torch.logsumexp(unscaled, -1), "lse is taken over unscaled scores: scale q·k by 1/sqrt(d)")],
+    }
+
+
+def _name_mistake(got, mistakes: list[tuple[torch.Tensor, str]], where: str, name: str) -> None:
+    """Raise naming the mistake when ``got`` equals what one of the known wrong answers returns."""
+    if not isinstance(got, torch.Tensor):
+        return
+    for wrong, why in mistakes:
+        if got.shape == wrong.shape and torch.isfinite(wrong).all() and max_difference(got.float(), wrong)[0] <= ATOL:
+            raise CheckFailed(f"{where}: {name} differs from full attention's: {why}")
+
+
 def check_online_softmax(online_softmax_attention) -> str:
     """7.1: ``online_softmax_attention(q, k_blocks, v_blocks) -> (out, lse)`` in one pass over streams."""
     with _one_thread():
@@ -158,6 +184,15 @@ def _check_online_softmax(online_softmax_attention) -> str:
             if diff > ATOL and max_difference(out, _no_rescale(q, k_blocks, v_blocks))[0] <= ATOL:
                 raise CheckFailed(f"{where}: out is off by {diff:.3g}: when a block raises the running max m, the "
                                   f"running sum l and accumulator must be multiplied by exp(m_old - m_new) first")
+        mistakes = _online_softmax_mistakes(q, k, v)
+        mistakes["out"].append((F.scaled_dot_product_attention(q, k_blocks[-1], v_blocks[-1]),
+                                "out is the last block's attention alone: carry l and a across the blocks"))
+        if not (isinstance(out, torch.Tensor) and out.shape == expected_out.shape
+                and max_difference(out, expected_out)[0] <= ATOL):
+            _name_mistake(out, mistakes["out"], where, "out")
+        if not (isinstance(lse, torch.Tensor) and lse.shape == expected_lse.shape
+                and max_difference(lse, expected_lse)[0] <= ATOL * max(1.0, expected_lse.abs().max().item())):
+            _name_mistake(lse, mistakes["lse"], where, "lse")
         assert_close(where, "out", out, expected_out)
         assert_close(where, "lse", lse, expected_lse, ATOL * max(1.0, expected_lse.abs().max().item()),
                      "lse = m + log(l), the log of the softmax denominator")
@@ -194,10 +229,35 @@ def _check_merge(merge_partials, rng: random.Random) -> int:
             if max_difference(out, parts[0][0] + parts[1][0])[0] < 1e-6:
                 raise CheckFailed(f"{where}: out is out_a + out_b: weight each part by exp(lse_part - lse) with "
                                   f"lse = log(exp(lse_a) + exp(lse_b))")
+            (out_a, lse_a), (out_b, lse_b) = parts
+            if not (isinstance(lse, torch.Tensor) and lse.shape == expected_lse.shape
+                    and max_difference(lse, expected_lse)[0] <= ATOL):  # a wrong lse makes out wrong too
+                _name_mistake(lse, [
+                    (torch.maximum(lse_a, lse_b), "lse is max(lse_a, lse_b): the denominators add, "
+                                                  "lse = logaddexp(lse_a, lse_b)"),
+                    (lse_a + lse_b, "lse is lse_a + lse_b, the log of a product: the denominators add, "
+                                    "lse = logaddexp(lse_a, lse_b)")], where, "lse")
+            _name_mistake(out, [
+                ((out_a + out_b) / 2, "out is the mean of the parts: weight each by its share of the softmax "
+                                      "denominator, exp(lse_part - lse)"),
+                (out_a * lse_a.exp().unsqueeze(-1) + out_b * lse_b.exp().unsqueeze(-1),
+                 "the parts are weighted by exp(lse_part) without dividing by exp(lse): use exp(lse_part - lse)"),
+                (out_a * (lse_b - torch.logaddexp(lse_a, lse_b)).exp().unsqueeze(-1)
+                 + out_b * (lse_a - torch.logaddexp(lse_a, lse_b)).exp().unsqueeze(-1),
+                 "the weights are swapped: out_a takes exp(lse_a - lse), out_b exp(lse_b - lse)")], where, "out")
         assert_close(where, "out", out, expected_out)
         assert_close(where, "lse", lse, expected_lse, hint="lse = logaddexp(lse_a, lse_b)")
         cases += 1
     return cases
+
+
+def _unmasked_diagonal(q, k, v, block: int) -> torch.Tensor:
+    """Causal blockwise attention that skips the later blocks but computes the diagonal one unmasked."""
+    outs = []
+    for start in range(0, q.shape[SEQ_DIM], block):
+        stop = min(start + block, q.shape[SEQ_DIM])
+        outs.append(F.scaled_dot_product_attention(q[:, :, start:stop], k[:, :, :stop], v[:, :, :stop]))
+    return torch.cat(outs, dim=SEQ_DIM)
 
 
 def check_merge_and_blockwise(merge_partials, blockwise_attention) -> str:
@@ -219,6 +279,12 @@ def _check_merge_and_blockwise(merge_partials, blockwise_attention) -> str:
         with measure_work() as work:
             out, lse = _pair(blockwise_attention(q, k, v, block, causal), where)
         expected_out, expected_lse = _reference(q, k, v, causal)
+        if causal and isinstance(out, torch.Tensor) and out.shape == expected_out.shape:
+            _name_mistake(out, [(_reference(q, k, v)[0], "no key is masked: with causal=True pass each block's "
+                                 "positions, attention_block(qb, kb, vb, q_pos, k_pos)"),
+                                (_unmasked_diagonal(q, k, v, block), "the blocks after the query block are skipped "
+                                 "but the diagonal block is not masked: pass q_pos and k_pos to attention_block")],
+                          where, "out")
         hint = "the last block is shorter when block_size does not divide the sequence" if n % block else ""
         if causal:
             hint = hint or "key j is visible to query i when j <= i: pass the block's positions to attention_block"
@@ -555,39 +621,44 @@ def _q_bytes_ratio() -> float:
 
 def _q_checkpointed_gib() -> float:
     model = PRESETS["70B"]
-    per_layer = activation_bytes_per_layer(131072 // 16, 1, model.d_model, model.n_head, checkpointing=True)
+    per_layer = activation_bytes_per_layer(131072 // 32, 1, model.d_model, model.n_head, checkpointing=True)
     return model.n_layer * per_layer / GiB
 
 
 def _q_hidden_tokens() -> float:
-    return hidden_transfer_tokens(PEAK_FLOPS["H100 SXM bf16"], 50e9, bytes_per_value=2)
+    return hidden_transfer_tokens(PEAK_FLOPS["H100 SXM bf16"], 450e9, bytes_per_value=2, heads=32, kv_heads=8)
 
 
 EXERCISES = [
-    Exercise("7.1", "online softmax over streaming key blocks", 2, check_online_softmax),
-    Exercise("7.2", "merge partial attention by log-sum-exp; blockwise", 2, check_merge_and_blockwise),
-    Exercise("7.3", "ring attention forward with overlapped K/V passes", 3, check_ring_forward),
-    Exercise("7.4", "causal ring attention and the zig-zag layout", 3, check_causal_ring),
+    Exercise("7.1", "online softmax over streaming key blocks", 2, check_online_softmax,
+             references=("distlab.context_parallel.blocks.online_softmax_attention",)),
+    Exercise("7.2", "merge partial attention by log-sum-exp; blockwise", 2, check_merge_and_blockwise,
+             references=("distlab.context_parallel.blocks.blockwise_attention",
+                         "distlab.context_parallel.blocks.merge_attention")),
+    Exercise("7.3", "ring attention forward with overlapped K/V passes", 3, check_ring_forward,
+             references=("distlab.context_parallel.ring.ring_attention",
+                         "distlab.context_parallel.ring.ring_attention_forward")),
+    Exercise("7.4", "causal ring attention and the zig-zag layout", 3, check_causal_ring,
+             references=("distlab.context_parallel.ring.ring_attention",
+                         "distlab.context_parallel.ring.ring_attention_forward")),
     Exercise("7.5", "ring attention backward: dK/dV around the ring", 4, check_ring_backward),
-    Exercise("7.6", "DeepSpeed-Ulysses all-to-all attention", 3, check_ulysses),
+    Exercise("7.6", "DeepSpeed-Ulysses all-to-all attention", 3, check_ulysses,
+             references=("distlab.context_parallel.ulysses.ulysses_attention",)),
     quiz.number("Q7.1", "K/V blocks a rank sends in ring forward, N=8", 7, abs_tol=0,
                 hint="count the steps at which a block leaves the rank (section 'Exercise 7.3 — ring attention')"),
-    quiz.number("Q7.2", "contiguous causal ring, N=4: slowest rank's work / mean", 1.75, rel_tol=0.01,
-                hint="rank r sees r whole blocks and half of its own; compare the last rank with the average "
-                     "(section 'Causal masks: skipped blocks and unequal work')"),
+    quiz.number("Q7.2", "contiguous causal ring, N=8: slowest rank's work / mean", 7.5 / 4, rel_tol=0.01,
+                hint="count the blocks each rank computes (section 'Causal masks: skipped blocks and unequal work')"),
     quiz.number("Q7.3", "ring forward bytes / Ulysses forward bytes per rank, N=8", _q_bytes_ratio(), rel_tol=0.01,
-                hint="ring sends N-1 K/V blocks; Ulysses sends (N-1)/N of four shards (section 'Bytes: ring "
-                     "against Ulysses')"),
+                hint="section 'Bytes: ring against Ulysses'"),
     quiz.number("Q7.4", "largest Ulysses degree for 64 query heads, 8 K/V heads", 8, abs_tol=0,
-                hint="each rank must hold whole K/V heads after the all-to-all (section 'Exercise 7.6 — "
-                     "DeepSpeed-Ulysses')"),
-    quiz.number("Q7.5", "tokens per rank to hide a ring step over 50 GB/s on an H100", _q_hidden_tokens(),
-                rel_tol=0.02, hint="compute 4·t²·d FLOPs against 2·t·d·2 bytes per head and step (section "
-                                   "'When each wins')"),
-    quiz.number("Q7.6", "GiB of checkpointed layer inputs per GPU, 70B, 128k tokens, CP=16", _q_checkpointed_gib(),
-                rel_tol=0.02, hint="2·s·b·h bytes per layer for the tokens of one rank, 80 layers (section "
+                hint="section 'Exercise 7.6 — DeepSpeed-Ulysses' and 'When each wins'"),
+    quiz.number("Q7.5", "tokens per rank to hide a ring step over 450 GB/s NVLink on an H100, 32 query heads, "
+                "8 K/V heads", _q_hidden_tokens(), rel_tol=0.02,
+                hint="compare one step's FLOPs with its bytes, and count which heads each belongs to (section "
+                     "'When each wins')"),
+    quiz.number("Q7.6", "GiB of checkpointed layer inputs per GPU, 70B, 128k tokens, CP=32", _q_checkpointed_gib(),
+                rel_tol=0.02, hint="what full checkpointing keeps per layer, for one rank's tokens (section "
                                    "'At scale: 128k tokens of a 70B model')"),
     quiz.choice("Q7.7", "ring attention or Ulysses", "c", "abc",
-                hint="one needs whole heads per rank and an all-to-all across every rank; the other only talks to "
-                     "its neighbours (section 'When each wins')"),
+                hint="section 'When each wins'"),
 ]

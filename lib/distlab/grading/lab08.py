@@ -7,8 +7,10 @@ capacity limit, a rank that receives no token and one expert that receives them 
 compares every rank's output and gradients (tokens, router, every expert on its owner)
 with the single-device layer to 1e-5. Where a wrong answer matches a known mistake (gates
 not renormalised, second choices before first choices, the bias in the gates, the combine
-sent with the dispatch's splits…) the failure names it. Cases come from fixed-seed
-generators, so notebook output is reproducible; an untouched stub's
+sent with the dispatch's splits, split sizes per expert instead of per rank…) the failure names it, also
+when torch raises it on a rank. The one-device layer (8.5) runs on distlab's router and capacity
+(:func:`~distlab.grading.harness.with_reference`), so a mistake in 8.1 or 8.2 fails only its own check.
+Cases come from fixed-seed generators, so notebook output is reproducible; an untouched stub's
 ``NotImplementedError`` propagates and is reported as "not attempted".
 """
 
@@ -23,12 +25,21 @@ import torch
 import torch.distributed as dist
 
 from distlab.grading import CheckFailed, quiz
-from distlab.grading.harness import ATOL, is_close, lab_seed, max_difference, run_on_ranks
+from distlab.grading.harness import (
+    ATOL,
+    first_line,
+    is_close,
+    lab_seed,
+    max_difference,
+    run_on_ranks,
+    with_reference,
+)
 from distlab.grading.registry import Exercise
 from distlab.moe import (
     DEEPSEEK_V3,
     all_to_all_bytes,
     assign_capacity,
+    dispatch_plan,
     expert_capacity,
     imbalance,
     load_balancing_loss,
@@ -37,9 +48,11 @@ from distlab.moe import (
     moe_forward,
     route,
     router_z_loss,
+    run_experts,
     skewed_tokens,
     update_expert_bias,
 )
+from distlab.runtime.errors import RankFailed
 
 _SEED = lab_seed(8)
 _SMALL = 1024  # bytes of bookkeeping (split sizes) a rank may exchange besides the tokens
@@ -186,6 +199,10 @@ def check_capacity(capacity_fn, assign_fn) -> str:
         if (load > capacity).any():
             e = int((load > capacity).nonzero()[0])
             raise CheckFailed(f"{where}: expert {e} keeps {int(load[e])} assignments, more than its capacity")
+        if capacity > 0 and torch.equal(got, assign_capacity(experts, E, capacity - 1)):
+            raise CheckFailed(f"{where}: every expert kept one assignment fewer than its capacity: count arrivals "
+                              f"from 0 (the first assignment at an expert is position 0, kept while position < "
+                              f"capacity)")
         if k > 1 and torch.equal(got, _token_major_keep(experts, E, capacity)):
             raise CheckFailed(f"{where}: slots went in token order over all choices, so a token's second choice took "
                               f"a slot another token's first choice needed: hand out all first choices (token "
@@ -300,6 +317,9 @@ def check_bias_update(update_fn) -> str:
         if is_close(got, bias - rate * torch.sign(mean - load.float()), atol=1e-7, rtol=1e-7):
             raise CheckFailed(f"{where}: the step has the wrong sign: an overloaded expert (load > mean) must get a "
                               f"*lower* bias, so fewer tokens choose it")
+        if is_close(got, bias + rate * torch.sign(load.float().sum() - load.float()), atol=1e-7, rtol=1e-7):
+            raise CheckFailed(f"{where}: every bias rose, as if each expert were compared with the total load: "
+                              f"compare each load with the mean load")
         if is_close(got, bias + rate * (mean - load.float()), atol=1e-7, rtol=1e-7):
             raise CheckFailed(f"{where}: the step is proportional to the error; DeepSeek-V3 moves every bias by a "
                               f"fixed rate in the direction of sign(mean load - load)")
@@ -333,7 +353,11 @@ def _grads(*modules_or_tensors) -> list[torch.Tensor]:
 
 
 def check_moe_layer(moe_fn) -> str:
-    """8.5: ``moe_layer(x, router_weight, experts, k, capacity_factor=None, shared=None)`` → [T, d]."""
+    """8.5: ``moe_layer(x, router_weight, experts, k, capacity_factor=None, shared=None)`` → [T, d].
+
+    The layer calls the notebook's ``route``, ``expert_capacity`` and ``assign_capacity``: it runs on distlab's
+    versions of them, so a mistake in 8.1 or 8.2 fails only those checks."""
+    moe_fn = with_reference(moe_fn, route=route, expert_capacity=expert_capacity, assign_capacity=assign_capacity)
     cases = [(24, 8, 4, 1, None, False), (40, 12, 6, 2, 1.0, True), (48, 16, 8, 2, 1.25, False),
              (30, 8, 6, 3, None, True)]
     for i, (T, d, E, k, cf, shared) in enumerate(cases):
@@ -352,6 +376,9 @@ def check_moe_layer(moe_fn) -> str:
         cotangent = torch.randn(T, d, generator=_generator(_SEED + 70 + i))
         (expected * cotangent).sum().backward()
         (got * cotangent).sum().backward()
+        if w_in.grad is None or not w_in.grad.any():
+            raise CheckFailed(f"{where}: the output matches, but the router weight got no gradient: keep the gates in "
+                              f"the autograd graph (index routing.gates, never .detach() or .item() them)")
         names = ["x", "router weight"] + [f"experts.{name}" for name, _ in experts.named_parameters()]
         names += [f"shared.{name}" for name, _ in shared_expert.named_parameters()] if shared else []
         for name, a, b in zip(names, _grads(x_in, w_in, experts, shared_expert), _grads(x_ref, w_ref, ref_experts,
@@ -359,7 +386,8 @@ def check_moe_layer(moe_fn) -> str:
             if not is_close(a, b, rtol=ATOL):
                 raise CheckFailed(f"{where}: the gradient of {name} differs by up to {max_difference(a, b)[0]:.3g}: "
                                   f"the output matches, so something is detached (the gates? the expert outputs?)")
-    return f"{len(cases)} cases: k = 1-3, capacity limits with drops, shared expert; output and every gradient"
+    return (f"{len(cases)} cases: k = 1-3, capacity limits with drops, shared expert; output and every gradient "
+            f"(run on distlab's route and capacity, so 8.1 and 8.2 do not count here)")
 
 
 def _diagnose_layer(got, expected, x, w, k, cf, shared, i, result) -> str:
@@ -445,13 +473,20 @@ def _reference(case: EPCase) -> tuple[list[dict], torch.Tensor, torch.nn.ModuleL
         x = x.clone().requires_grad_(True)
         y, result = moe_forward(x, w, experts, case.k, case.capacity_factor)
         (y * cotangent).sum().backward()
-        out.append({"y": y.detach(), "x_grad": x.grad, "result": result})
+        with torch.no_grad():  # the same rows added without their gates: the usual combine mistake
+            plan = dispatch_plan(result.routing, result.keep)
+            ungated = torch.zeros_like(x).index_add(0, plan.token, run_experts(experts, x[plan.token],
+                                                                               plan.counts.tolist()))
+        out.append({"y": y.detach(), "x_grad": x.grad, "result": result, "ungated": ungated})
     return out, w.grad, experts
 
 
 def _compare_ep(run, case: EPCase) -> None:
     reference, w_grad, experts = _reference(case)
     for rank, (got, ref) in enumerate(zip(run, reference)):
+        if not is_close(got["y"], ref["y"], rtol=ATOL) and is_close(got["y"], ref["ungated"], rtol=ATOL):
+            raise CheckFailed(f"{case}: rank {rank}'s output is the sum of its tokens' expert outputs without the "
+                              f"gates: weight them by their gates (routing.gates[token, choice]) before index_add")
         if not is_close(got["y"], ref["y"], rtol=ATOL):
             rows = (got["y"] - ref["y"]).abs().amax(-1)
             t = int(rows.argmax())
@@ -503,6 +538,23 @@ def _check_traffic(run, case: EPCase) -> None:
                                   f"by all-to-all only (expert parallelism never gathers every token everywhere)")
 
 
+def _named_split_error(error: RankFailed, case: EPCase) -> str | None:
+    """torch's error for split sizes that do not fit the tensor, said in the lab's terms (or None)."""
+    text = str(error)
+    if "Number of tensor splits not equal to group size" in text:
+        return (f"{case}: rank {error.rank}'s all-to-all got one split size per expert ({case.num_experts}) where it "
+                f"needs one split per destination rank ({case.world_size}), not per expert: input_splits[j] is the "
+                f"sum of your counts over rank j's experts (torch: {first_line(error).split(': ', 1)[-1]})")
+    if "Split sizes doesn't match total dim 0 size" in text or "split sizes" in text.lower():
+        return (f"{case}: rank {error.rank}'s all-to-all got split sizes that do not add up to the rows it was "
+                f"given (torch: {first_line(error).split(': ', 1)[-1]}). all_to_all(rows, output_splits, "
+                f"input_splits): input_splits[j] = the rows you send to rank j (one split per destination rank "
+                f"({case.world_size}), not per expert: sum your counts over j's experts), output_splits[j] = the "
+                f"rows rank j sends you (from the exchanged counts); the combine uses the same two lists with "
+                f"input and output splits swapped")
+    return None
+
+
 def check_expert_parallel(ep_fn) -> str:
     """8.6: ``expert_parallel(x, routing, keep, local_experts)`` on real ranks → this rank's routed output."""
     cases = [EPCase(2, 4, 2, [20, 13], seed=_SEED + 81),
@@ -510,9 +562,15 @@ def check_expert_parallel(ep_fn) -> str:
              EPCase(4, 4, 1, [16, 12, 20, 8], all_to_one=True, seed=_SEED + 83),
              EPCase(4, 8, 3, [14, 1, 22, 17], capacity_factor=1.25, seed=_SEED + 84)]
     for case in cases:
-        run = run_on_ranks(_ep_worker, case.world_size, ep_fn, case, what=f"your expert-parallel layer ({case})",
-                           advice="Every rank must make the same all-to-all calls in the same order — also a rank "
-                                  "with no token to send or receive.")
+        try:
+            run = run_on_ranks(_ep_worker, case.world_size, ep_fn, case, what=f"your expert-parallel layer ({case})",
+                               advice="Every rank must make the same all-to-all calls in the same order — also a "
+                                      "rank with no token to send or receive.")
+        except RankFailed as error:
+            named = _named_split_error(error, case)
+            if named is None:
+                raise
+            raise CheckFailed(named) from None
         _compare_ep(run, case)
         _check_traffic(run, case)
     return (f"{len(cases)} cases on 2/4 ranks (uneven tokens, capacity drops, a rank that receives nothing): "
@@ -524,22 +582,31 @@ def check_expert_parallel(ep_fn) -> str:
 _DSV3_DISPATCH_MB = all_to_all_bytes(4096, DEEPSEEK_V3.k, DEEPSEEK_V3.d_model, 64)["payload_per_all_to_all"] / 1e6
 
 EXERCISES = [
-    Exercise("8.1", "router: softmax, top-k, gates", 2, check_router),
-    Exercise("8.2", "expert capacity and dropped tokens", 2, check_capacity),
-    Exercise("8.3", "Switch load-balancing loss and router z-loss", 2, check_balancing_losses),
-    Exercise("8.4", "auxiliary-loss-free bias balancing", 2, check_bias_update),
-    Exercise("8.5", "one-device MoE layer with a shared expert", 3, check_moe_layer),
-    Exercise("8.6", "expert parallelism with all-to-all", 4, check_expert_parallel),
+    Exercise("8.1", "router: softmax, top-k, gates", 2, check_router,
+             references=("distlab.moe.routing.route",)),
+    Exercise("8.2", "expert capacity and dropped tokens", 2, check_capacity,
+             references=("distlab.moe.routing.assign_capacity", "distlab.moe.routing.expert_capacity")),
+    Exercise("8.3", "Switch load-balancing loss and router z-loss", 2, check_balancing_losses,
+             references=("distlab.moe.routing.load_balancing_loss", "distlab.moe.routing.router_z_loss")),
+    Exercise("8.4", "auxiliary-loss-free bias balancing", 2, check_bias_update,
+             references=("distlab.moe.routing.update_expert_bias",)),
+    Exercise("8.5", "one-device MoE layer with a shared expert", 3, check_moe_layer,
+             references=("distlab.moe.layer.moe_forward",)),
+    Exercise("8.6", "expert parallelism with all-to-all", 4, check_expert_parallel,
+             references=("distlab.moe.layer.expert_parallel_forward",)),
     quiz.number("Q8.1", "capacity of one expert", answer=expert_capacity(4096, 64, 2, 1.25), rel_tol=0, abs_tol=0.01,
-                hint="see 'Capacity and dropped tokens': ⌈capacity_factor · tokens · k / E⌉"),
+                hint="see 'Capacity and dropped tokens' (the chapter's section 3)"),
     quiz.number("Q8.2", "Switch loss of a collapsed router", answer=16.0, rel_tol=0, abs_tol=0.01,
-                hint="see 'Balancing the load': E · Σ f_i · P_i with f and P all on one expert"),
+                hint="see 'Balancing the load' (the chapter's section 4): what f and P are when one expert gets "
+                     "everything"),
     quiz.choice("Q8.3", "what the bias of an overloaded expert does", answer="b", options="abcd",
-                hint="see 'Auxiliary-loss-free balancing': the bias steers selection toward underloaded experts"),
+                hint="see 'Auxiliary-loss-free balancing' (the chapter's section 5): the update rule for b_i"),
     quiz.number("Q8.4", "DeepSeek-V3 dispatch MB per GPU", answer=_DSV3_DISPATCH_MB, rel_tol=0.02,
-                hint="see 'DeepSeek-V3 at scale': tokens · k · d_model · bytes per value"),
+                hint="see 'All-to-all bytes per layer, counted' and 'DeepSeek-V3 at scale' (the chapter's sections 8 "
+                     "and 9)"),
     quiz.choice("Q8.5", "why MoE routing is expensive at scale", answer="c", options="abcd",
-                hint="see 'All-to-all bytes per layer' and 'DeepSeek-V3 at scale': what grows with k·d per token"),
+                hint="see 'All-to-all bytes per layer, counted' and 'DeepSeek-V3 at scale' (the chapter's sections 8 "
+                     "and 9)"),
     quiz.number("Q8.6", "experts per GPU, DeepSeek-V3 at EP = 64", answer=4.0, rel_tol=0, abs_tol=0.01,
-                hint="see 'Edge cases': E / EP, which must divide evenly"),
+                hint="see 'Edge cases that are errors' and 'DeepSeek-V3 at scale' (the chapter's section 9)"),
 ]

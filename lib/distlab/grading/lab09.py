@@ -5,13 +5,18 @@
 * 9.2 loss scaler: a tiny model trained side by side with ``torch.amp.GradScaler`` on
   gradient streams with injected inf/NaN; scale, skipped steps and weights must agree.
 * 9.3 scaling: block scales and FP8 values against :func:`distlab.fp8.quantize` for
-  per-tensor, per-row, 1×128 and 128×128 blocks, and delayed scaling over a stream with spikes.
+  per-tensor, per-row, 1×128 and 128×128 blocks, and delayed scaling over a stream with spikes
+  (an E5M2 spike too, where a missing clamp overflows to inf). A wrong scale is matched against
+  the plausible mistakes (inverted, the other format's max, signed amax, the wrong axes, one
+  amax for every block) and named.
 * 9.4 FP8 matmul: the emulated path against the dequantised product, the native path must
   call ``aten._scaled_mm`` (seen by a dispatch mode) and agree with it, the automatic choice
-  must follow the device and the multiple-of-16 rule.
+  must follow the device and the multiple-of-16 rule (K and N, each alone off the multiple).
 * 9.5 ``Float8Linear``: forward, input and weight gradients against the reference
   :class:`distlab.fp8.Float8Linear` on the same weights; a wrong format or a missing
-  quantisation is recognised by recomputing those variants; then a GPT trained with it.
+  quantisation is recognised by recomputing those variants; the layers are never square, so
+  a transposed weight gradient is caught (and autograd's shape error is translated); then a GPT
+  trained with it.
 
 Cases come from fixed-seed generators (reproducible notebook output) over shapes, scales
 and hyperparameters a student cannot special-case. An untouched stub's
@@ -35,7 +40,7 @@ from distlab.fp8.matmul import MULTIPLE, emulated_scaled_mm, scaled_mm_support
 from distlab.fp8.scaling import DelayedScaling, dequantize, expand_scale, quantize
 from distlab.fp8.training import final_loss, train_recipe
 from distlab.grading import CheckFailed
-from distlab.grading.harness import lab_seed
+from distlab.grading.harness import first_line, lab_seed
 from distlab.grading.quiz import choice, number
 from distlab.grading.registry import Exercise
 from distlab.model import GPTConfig
@@ -101,7 +106,8 @@ def check_codes(decode_fn, encode_fn) -> str:
             got = encode_fn(value, fmt)
             if got != code:
                 raise CheckFailed(f"{fmt.name.upper()} encode({value!r}) returned {_code(got, fmt)}; expected "
-                                  f"{bits(code, fmt)}, the code whose value it is")
+                                  f"{bits(code, fmt)}, the code whose value it is: "
+                                  f"{_encode_hint(value, fmt, got, code)}")
         cases = _value_cases(fmt, rng)
         for value, what in cases:
             expected = encode(value, fmt)
@@ -190,12 +196,14 @@ def check_loss_scaler(scaler_class) -> str:
                     "updated the weights: skip optimizer.step() when any gradient is inf or NaN" if got["stepped"]
                     else "did not update the weights: step the optimizer when every gradient is finite"))
             if got["after"] != want["after"]:
+                overflowed = any(earlier["bad"] for earlier in ref[:step])
                 raise CheckFailed(f"{where}: after step {step} ({kind}) the scale is {got['after']:g}, GradScaler's is "
                                   f"{want['after']:g}: " + (
                                       "multiply it by backoff_factor after an overflow and restart the count"
                                       if want["bad"] else
                                       "grow it by growth_factor only after growth_interval consecutive clean steps, "
-                                      "then restart the count"))
+                                      "then restart the count" + ("; an overflow restarts the count too (an earlier "
+                                                                  "step had one)" if overflowed else "")))
             diff = max(float((a - b).abs().max()) for a, b in zip(got["params"], want["params"]))
             if diff > 1e-6:
                 factor = _update_ratio(ours, ref, step)
@@ -242,7 +250,7 @@ def check_scaling(quantize_fn, delayed_class) -> str:
                             ((128, 128), "128×128 blocks")):
             for fmt in (FORMATS["e4m3"], FORMATS["e5m2"]):
                 _compare_quantized(quantize_fn(x, fmt, block), quantize(x, fmt, block), x, fmt,
-                                   f"{name} {fmt.name.upper()} of a {rows}×{cols} tensor")
+                                   f"{name} {fmt.name.upper()} of a {rows}×{cols} tensor", block=block)
                 count += 1
     with_bad_block = x[:, :cols - 1]
     try:
@@ -261,11 +269,38 @@ def check_scaling(quantize_fn, delayed_class) -> str:
         got, want = scaler.quantize(x), reference.quantize(x)
         _compare_quantized(got, want, x, FORMATS["e4m3"], f"delayed scaling (history={history}), step {step}",
                            delayed=True, first=step == 0)
-    return (f"{count} tensors with outliers, per-tensor/per-row/1×128/128×128 in E4M3 and E5M2, and 12 steps of "
-            f"delayed scaling with spikes: scales and FP8 values equal the reference")
+    # E5M2 overflows to inf where E4M3's cast saturates: a spike beyond the delayed amax shows a missing clamp
+    scaler, reference = delayed_class(FORMATS["e5m2"], 2), DelayedScaling("e5m2", 2)
+    for step in range(4):
+        x = torch.randn(32, 128, generator=generator)
+        if step == 3:
+            x[1, 5] = -1e4
+        _compare_quantized(scaler.quantize(x), reference.quantize(x), x, FORMATS["e5m2"],
+                           f"delayed scaling in E5M2 (history=2), step {step}", delayed=True, first=step == 0)
+    return (f"{count} tensors with outliers, per-tensor/per-row/1×128/128×128 in E4M3 and E5M2, and 16 steps of "
+            f"delayed scaling with spikes in E4M3 and E5M2: scales and FP8 values equal the reference")
 
 
-def _compare_quantized(got, want, x, fmt: Format, where: str, delayed: bool = False, first: bool = False) -> None:
+def _scale_mistake(got: torch.Tensor, x: torch.Tensor, fmt: Format, block) -> str:
+    """Name the plausible mistake whose scales are ``got`` (same count as the reference), or ""."""
+    rows, cols = x.shape if block is None else block
+    tiles = x.float().reshape(x.shape[0] // rows, rows, x.shape[1] // cols, cols)
+    candidates = (
+        (tiles.amax(dim=(1, 3)), "amax is the largest |x| of the block: take .abs() before the max "
+                                 "(a block whose largest magnitude is negative got a wrong scale)"),
+        (tiles.abs().amax(dim=(0, 2)), "the amax was taken over the wrong axes: reshape to "
+                                       "(rows/br, br, cols/bc, bc) and reduce dims 1 and 3 (inside a block)"),
+        (x.abs().max().expand(got.shape), "every block got the whole tensor's amax: reduce over each block's "
+                                          "own elements"))
+    for amax, hint in candidates:
+        scale = torch.where(amax > 0, amax / fmt.max, torch.ones_like(amax)).float()
+        if scale.numel() == got.numel() and torch.allclose(got.flatten(), scale.flatten(), rtol=1e-5):
+            return hint
+    return ""
+
+
+def _compare_quantized(got, want, x, fmt: Format, where: str, delayed: bool = False, first: bool = False,
+                       block=None) -> None:
     try:
         q, scale = got
     except (TypeError, ValueError):
@@ -276,8 +311,12 @@ def _compare_quantized(got, want, x, fmt: Format, where: str, delayed: bool = Fa
                           f"{getattr(q, 'dtype', type(q).__name__)} {tuple(getattr(q, 'shape', ()))}")
     scale = torch.as_tensor(scale)
     if scale.numel() != ref_scale.numel():
+        br, bc = x.shape if block is None else block
+        axes = (" — as many as there are elements in one block: the amax was taken over the wrong axes, reduce "
+                "each block's rows and columns (dims 1 and 3 of the (rows/br, br, cols/bc, bc) view)"
+                if not delayed and scale.numel() == br * bc else "")
         raise CheckFailed(f"{where}: {scale.numel()} scales, expected {ref_scale.numel()} "
-                          f"(one per block: a grid of shape {tuple(ref_scale.shape)})")
+                          f"(one per block: a grid of shape {tuple(ref_scale.shape)}){axes}")
     scale = scale.reshape(ref_scale.shape).float()
     if not torch.isfinite(scale).all() or (scale <= 0).any():
         raise CheckFailed(f"{where}: a scale is {scale[~torch.isfinite(scale) | (scale <= 0)][0].item()}: an all-zero "
@@ -285,20 +324,29 @@ def _compare_quantized(got, want, x, fmt: Format, where: str, delayed: bool = Fa
     if not torch.allclose(scale, ref_scale, rtol=1e-5, atol=0):
         i = int(((scale - ref_scale).abs() / ref_scale).flatten().argmax())
         g, w = scale.flatten()[i].item(), ref_scale.flatten()[i].item()
-        if delayed:
+        mistake = "" if delayed else _scale_mistake(scale, x, fmt, block)
+        if math.isclose(g * w, 1.0, rel_tol=1e-4):
+            hint = "scale is the dequantisation factor amax / fp8_max (x ≈ q · scale), not its inverse"
+        elif math.isclose(g * FORMATS["e4m3" if fmt.name == "e5m2" else "e5m2"].max, w * fmt.max, rel_tol=1e-4):
+            hint = f"scale = amax / fmt.max, and {fmt.name.upper()}'s max is {fmt.max:g}, not the other format's"
+        elif mistake:
+            hint = mistake
+        elif delayed:
             hint = ("the first call has an empty history: use this tensor's own amax" if first else
                     "scale with the largest amax of the previous steps (not this tensor's), then record this "
                     "tensor's amax")
-        elif math.isclose(g * w, 1.0, rel_tol=1e-4):
-            hint = "scale is the dequantisation factor amax / fp8_max (x ≈ q · scale), not its inverse"
         else:
             hint = f"each block's scale is its amax / {fmt.max:g}"
         raise CheckFailed(f"{where}: scale {i} (of grid {tuple(ref_scale.shape)}) is {g:.6g}, expected {w:.6g}: {hint}")
     ulp = 2.0 ** -fmt.mantissa_bits  # one step of the format, relative; subnormals step by ulp · min_normal
     back, ref_back = dequantize(q, scale), dequantize(ref_q, ref_scale)
     floor = fmt.min_normal * expand_scale(ref_scale, tuple(x.shape))
+    if not torch.isfinite(back).all():
+        raise CheckFailed(f"{where}: the FP8 values hold {int((~torch.isfinite(back)).sum())} inf/NaN: an element "
+                          f"beyond ±{fmt.max:g} after x / scale overflowed in the cast (E5M2 has inf; not every "
+                          f"device's E4M3 cast saturates): clamp x / scale to ±fmt.max before casting")
     err = ((back - ref_back).abs() / torch.maximum(ref_back.abs(), floor)).max().item()
-    if not torch.isfinite(back).all() or err > 1.01 * ulp:
+    if err > 1.01 * ulp:
         raise CheckFailed(f"{where}: dequantised values differ from the reference by up to {err:.3g} relative "
                           f"(more than one {fmt.name.upper()} step, {ulp:g}): q = clamp(x / scale, ±{fmt.max:g}) "
                           f"cast to {fmt.dtype}")
@@ -351,12 +399,17 @@ def check_fp8_matmul(emulated_fn, native_fn, auto_fn) -> str:
                     if mode.calls == 0:
                         raise CheckFailed(f"native, {where}: torch._scaled_mm was never called")
                     _compare_matmul(got, expected, a, b, sa, sb, f"native, {where}")
-    a, b, sa, sb = _matmul_case(rng, generator, 17, 40, 24, False)
-    out, path = auto_fn(a, b, sa, sb, torch.bfloat16)
-    if path != "emulated":
-        raise CheckFailed(f"auto, a 17×40 @ 40×24 matmul chose {path!r}: K and N must be multiples of {MULTIPLE} for "
-                          f"torch._scaled_mm on a GPU, so this shape takes the emulated path")
-    _compare_matmul(out, emulated_scaled_mm(a, b, sa, sb, torch.bfloat16), a, b, sa, sb, "auto, 17×40 @ 40×24")
+    for m, k, n in ((17, 40, 24), (32, 48, 24), (32, 40, 32)):  # K and N, N alone, K alone off the multiple
+        a, b, sa, sb = _matmul_case(rng, generator, m, k, n, False)
+        out, path = auto_fn(a, b, sa, sb, torch.bfloat16)
+        if path != "emulated":
+            off = [f"{name} = {size}" for name, size in (("K", k), ("N", n)) if size % MULTIPLE]
+            raise CheckFailed(f"auto, a {m}×{k} @ {k}×{n} matmul chose {path!r}: K and N must be multiples of "
+                              f"{MULTIPLE} for torch._scaled_mm on a GPU (M may be anything), and here "
+                              f"{' and '.join(off)} {'is' if len(off) == 1 else 'are'} not, so this shape takes the "
+                              f"emulated path")
+        _compare_matmul(out, emulated_scaled_mm(a, b, sa, sb, torch.bfloat16), a, b, sa, sb,
+                        f"auto, {m}×{k} @ {k}×{n}")
     a, b, sa, sb = _matmul_case(rng, generator, 32, 64, 48, False)
     out, path = auto_fn(a, b, sa, sb, torch.bfloat16)
     if path != support.path:
@@ -364,7 +417,7 @@ def check_fp8_matmul(emulated_fn, native_fn, auto_fn) -> str:
                           f"({support.reason})")
     return (f"{len(shapes) * 4} matmuls per path, tensor-wise and row-wise, E4M3×E4M3 and E4M3×E5M2: emulated = "
             f"dequantised product, native calls torch._scaled_mm; auto picks {support.path} here and emulates "
-            f"17×40 @ 40×24")
+            f"shapes whose K or N is not a multiple of {MULTIPLE}")
 
 
 def _compare_matmul(got, expected, a, b, sa, sb, where: str) -> None:
@@ -416,8 +469,11 @@ def check_float8_linear(student_class) -> str:
     """9.5: an ``nn.Linear`` subclass whose matmuls are FP8 (E4M3 forward, E5M2 gradients), fp32 master weights."""
     rng = random.Random(_SEED + 5)
     generator = torch.Generator().manual_seed(_SEED + 5)
-    shapes = [(16 * rng.randint(2, 8), 16 * rng.randint(1, 6), 16 * rng.randint(1, 6), rng.random() < 0.5)
-              for _ in range(4)]
+    shapes = []
+    for _ in range(4):  # in ≠ out features: a square layer would hide a transposed weight gradient
+        k = 16 * rng.randint(1, 6)
+        shapes.append((16 * rng.randint(2, 8), k, 16 * rng.choice([i for i in range(1, 7) if 16 * i != k]),
+                       rng.random() < 0.5))
     for m, k, n, bias in shapes:
         mine, ref = _linear_pair(student_class, k, n, generator, bias)
         where = f"{m}×{k} input, {k}→{n} layer{' with bias' if bias else ''}"
@@ -431,11 +487,18 @@ def check_float8_linear(student_class) -> str:
             raise CheckFailed(f"{where}: output shape {tuple(y.shape)}, expected {tuple(y_ref.shape)}")
         err = _relative(y, y_ref)
         if err > 1e-4:
-            plain = nn.functional.linear(x.detach(), ref.weight, ref.bias)
-            hint = ("the output equals the high-precision linear: quantise x and the weight to E4M3 before the matmul"
-                    if _relative(y, plain) < 1e-4 else "forward is quantize(x) @ quantize(W)ᵀ in E4M3 (+ bias)")
-            raise CheckFailed(f"{where}: forward differs from the FP8 reference by {err:.3g} (relative): {hint}")
-        y.backward(grad_out)
+            raise CheckFailed(f"{where}: forward differs from the FP8 reference by {err:.3g} (relative): "
+                              f"{_forward_hint(y, x.detach(), ref.weight.detach(), ref.bias)}")
+        try:
+            y.backward(grad_out)
+        except RuntimeError as error:  # autograd's own words for a gradient of the wrong shape
+            index = "0" if "index 0" in str(error) else "1" if "index 1" in str(error) else ""
+            if not index:
+                raise
+            what = ("grad_x must have x's shape (M×K): grad_x = g @ W" if index == "0" else
+                    "grad_W must have the weight's shape (N×K): grad_W = gᵀ @ x, not xᵀ @ g")
+            raise CheckFailed(f"{where}: backward returned a gradient of the wrong shape ({first_line(error)}): "
+                              f"{what}") from None
         y_ref.backward(grad_out)
         for name, got, want in (("input gradient", x.grad, x_ref.grad), ("weight gradient", mine.weight.grad,
                                                                           ref.weight.grad)):
@@ -451,6 +514,23 @@ def check_float8_linear(student_class) -> str:
     cfg_losses = _train_gpt(student_class)
     return (f"{len(shapes)} layers: output, input and weight gradients equal the reference (E4M3 forward, E5M2 "
             f"gradients, fp32 weights); a GPT trained with it for 3 steps matches ({cfg_losses})")
+
+
+def _forward_hint(y, x, weight, bias) -> str:
+    """Which plausible forward the student's output is: unquantised, one operand left out, or E5M2 operands."""
+    def fp8(t, fmt):
+        return dequantize(*quantize(t, fmt))
+
+    for xs, ws, hint in ((x, weight, "the output equals the high-precision linear: quantise x and the weight to "
+                                     "E4M3 before the matmul"),
+                         (fp8(x, "e4m3"), weight, "the weight was not quantised: quantise W to E4M3 too"),
+                         (x, fp8(weight, "e4m3"), "the input was not quantised: quantise x to E4M3 too"),
+                         (fp8(x, "e5m2"), fp8(weight, "e5m2"), "the operands were quantised to E5M2: activations "
+                                                               "and weights use E4M3 (one more mantissa bit); E5M2 "
+                                                               "is for gradients")):
+        if _relative(y, nn.functional.linear(xs, ws, bias)) < 1e-4:
+            return hint
+    return "forward is quantize(x) @ quantize(W)ᵀ in E4M3 (+ bias)"
 
 
 def _relative(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -484,24 +564,33 @@ def _train_gpt(student_class) -> str:
 _H100_RATIO = PEAK_FLOPS["H100 SXM fp8"] / PEAK_FLOPS["H100 SXM bf16"]
 
 EXERCISES = [
-    Exercise("9.1", "encode and decode E4M3 and E5M2 by hand", 3, check_codes),
-    Exercise("9.2", "dynamic loss scaler for FP16", 3, check_loss_scaler),
-    Exercise("9.3", "per-tensor, per-row, per-tile and delayed scaling", 3, check_scaling),
-    Exercise("9.4", "FP8 matmul: torch._scaled_mm or emulated", 3, check_fp8_matmul),
-    Exercise("9.5", "Float8Linear: E4M3 forward, E5M2 gradients", 4, check_float8_linear),
+    Exercise("9.1", "encode and decode E4M3 and E5M2 by hand", 3, check_codes,
+             references=("distlab.fp8.formats.encode", "distlab.fp8.formats.decode")),
+    Exercise("9.2", "dynamic loss scaler for FP16", 3, check_loss_scaler,
+             references=("distlab.fp8.scaling.DelayedScaling",)),
+    Exercise("9.3", "per-tensor, per-row, per-tile and delayed scaling", 3, check_scaling,
+             references=("distlab.fp8.scaling.quantize",)),
+    Exercise("9.4", "FP8 matmul: torch._scaled_mm or emulated", 3, check_fp8_matmul,
+             references=("distlab.fp8.matmul.fp8_matmul", "distlab.fp8.matmul.emulated_scaled_mm")),
+    Exercise("9.5", "Float8Linear: E4M3 forward, E5M2 gradients", 4, check_float8_linear,
+             references=("distlab.fp8.linear.float8_matmul",)),
     number("Q9.1", "largest finite E4M3 value", answer=FORMATS["e4m3"].max,
-           hint="decode 0 1111 110: see 'FP8 bit by bit'"),
+           hint="what E4M3's top exponent holds, and which of its codes is NaN: see 'FP8 bit by bit'"),
     choice("Q9.2", "why BF16 rather than FP16", answer="b", options="abcd",
-           hint="compare the exponent bits of the formats in 'BF16 against FP16: where gradients go'"),
+           hint="see the table of formats and the underflow table in 'BF16 against FP16: where gradients go'"),
     number("Q9.3", "scale after an overflow at scale 65536", answer=65536 * 0.5,
-           hint="what update() does after an inf/NaN step: 'Exercise 9.2'"),
+           hint="see the rule of update() in 'Exercise 9.2'"),
     choice("Q9.4", "which FP8 format for gradients", answer="b", options="abcd",
-           hint="compare the binades each format spans with the gradients' spread in 'Range against precision'"),
+           hint="see the flush-to-zero table in 'Range against precision'"),
     number("Q9.5", "scales of a 4096×8192 activation in 1×128 tiles", answer=4096 * 8192 // 128,
-           hint="one scale per tile: 'Scaling granularity'"),
+           hint="see the list of granularities in 'Scaling granularity'"),
     choice("Q9.6", "why promote partial sums to fp32 every 128 products", answer="c", options="abcd",
-           hint="look at how the error grows with K in 'Accumulation: why DeepSeek-V3 promotes every 128'"),
+           hint="see the error curves in 'Accumulation: why DeepSeek-V3 promotes every 128'"),
     number("Q9.7", "step speed-up bound when 90% of FLOPs run at H100's FP8/BF16 peak ratio",
            answer=1 / (0.1 + 0.9 / _H100_RATIO), rel_tol=0.02,
-           hint="Amdahl's law with the peak ratio from 'Honest timing'"),
+           hint="see 'The H100 argument in numbers'"),
+    choice("Q9.8", "which tokens set a rank's activation-gradient magnitudes", answer="b", options="abcd",
+           hint="see where a run divides, in 'BF16 against FP16: where gradients go'"),
+    choice("Q9.9", "what 1×128 tiles buy the ordinary channels", answer="c", options="abcd",
+           hint="see the split table in 'What an outlier costs'"),
 ]

@@ -20,7 +20,7 @@ import math
 import random
 
 from distlab.flops import mfu
-from distlab.grading import CheckFailed, quiz
+from distlab.grading import CheckFailed, describe_error, quiz
 from distlab.grading.harness import ATOL, LONG_JOB_TIMEOUT, lab_seed, raise_if_untouched, run_on_ranks
 from distlab.grading.registry import Exercise
 from distlab.memory import PRESETS
@@ -30,6 +30,7 @@ from distlab.parallel3d.planner import (
     Layout,
     ModelShape,
     bytes_per_axis,
+    dp_messages,
     gradient_all_reduce_seconds,
     h100_cluster,
     run_cost,
@@ -78,6 +79,10 @@ def check_grid_groups(grid_groups) -> str:
         grid_groups(6, *bad)
     except ValueError:
         pass
+    except Exception as error:  # noqa: BLE001  any other error is the mistake this case names
+        raise CheckFailed(f"grid_groups(6, 2, 2, 2) raised {describe_error(error)}; a world of 6 ranks is not "
+                          f"2 × 2 × 2 = 8: compare world with dp·pp·tp first and raise ValueError naming the "
+                          f"sizes") from None
     else:
         raise CheckFailed("grid_groups(6, 2, 2, 2) returned; a world of 6 ranks is not 2 × 2 × 2 = 8: raise "
                           "ValueError before building anything")
@@ -108,6 +113,7 @@ def check_sync_gradients(sync_gradients) -> str:
     compared = compare_with_reference(results, cfg, grid, batch, steps=1, seed=seed, data_seed=seed)
     rank, name, diff = compared["worst_param"]
     if diff > ATOL:
+        _raise_if_replicas_disagree(results, grid)
         initial = GPT(cfg, seed=seed).state_dict()[name]
         reference = reference_run(cfg, batch, 1, seed=seed, data_seed=seed).state_dict[name]
         result = next(r for r in results if r["rank"] == rank)
@@ -119,15 +125,32 @@ def check_sync_gradients(sync_gradients) -> str:
         hint = ""
         if math.isclose(factor, grid.dp, rel_tol=0.05):
             hint = f": the update is {grid.dp}x too big — summed over the DP group, not averaged (divide by dp)"
+        elif math.isclose(factor, grid.dp / grid.world, rel_tol=0.05):
+            hint = (f": the update is {grid.world // grid.dp}x too small — divided by the world size "
+                    f"({grid.world}) instead of the DP group's ({grid.dp})")
         elif math.isclose(factor, 1 / grid.dp, rel_tol=0.05):
-            hint = f": the update is {grid.dp}x too small — divided twice?"
-        elif math.isclose(factor, 2 * grid.dp / grid.world, rel_tol=0.05) or math.isclose(factor, 0.5, rel_tol=0.05):
-            hint = ": divided by the world size instead of dp?"
+            hint = (f": the update is {grid.dp}x too small — divided by dp twice, or by more ranks than the DP "
+                    f"group's {grid.dp}?")
         where = ", ".join(f"{axis} {coords[axis]}" for axis in grid.axes)
         raise CheckFailed(f"rank {rank} ({where}), parameter {name} differs from the single-process run by "
                           f"{diff:.1e} (update factor {factor:.2f}){hint}")
     return (f"DP × PP × TP = 2 × 2 × 2 on 8 ranks: loss within {compared['loss_diff']:.0e}, every rank's shards "
             f"within {diff:.0e} of one process")
+
+
+def _raise_if_replicas_disagree(results: list[dict], grid: Grid) -> None:
+    """The ranks of one DP group hold the same shard of the same stage: after a step they must agree exactly.
+    If they do not, the gradients were not averaged over the DP group (each replica stepped on its own)."""
+    by_rank = {r["rank"]: r for r in results}
+    for group in grid.groups("dp"):
+        first = by_rank[group[0]]["state"]
+        for other in group[1:]:
+            for name, value in first.items():
+                apart = (by_rank[other]["state"][name] - value).abs().max().item()
+                if apart > ATOL:
+                    raise CheckFailed(f"ranks {group[0]} and {other} (one DP group) end the step with different "
+                                      f"{name} ({apart:.1e} apart): the gradients were not averaged over the DP "
+                                      f"group, so each replica stepped on its own half of the batch")
 
 
 # ---------------------------------------------------------------- 11.3
@@ -149,16 +172,34 @@ def check_mfu(model_flops_utilization) -> str:
         if math.isclose(got, want, rel_tol=1e-6):
             continue
         ratio = got / want
-        attention = 12 * preset.n_layer * preset.d_model * preset.seq_len
         case = f"{preset.name} at {tokens_per_second:,.0f} tokens/s on {gpus} GPUs: MFU {got:.4g}, expected {want:.4g}"
-        if math.isclose(ratio, 6 * n / (6 * n + attention), rel_tol=1e-3):
-            raise CheckFailed(f"{case}: the attention FLOPs (12·n_layer·d_model·seq_len per token) are missing")
-        if math.isclose(ratio, 1 / 3, rel_tol=0.02):
-            raise CheckFailed(f"{case}: forward FLOPs only — training also runs backward, twice the forward")
-        if math.isclose(ratio, gpus, rel_tol=1e-3):
-            raise CheckFailed(f"{case}: the peak is per GPU: divide by gpus × peak")
-        raise CheckFailed(f"{case} (ratio {ratio:.3g})")
+        raise CheckFailed(f"{case} (ratio {ratio:.3g}): {_mfu_mistake(ratio, n, preset, gpus)}")
     return f"{len(cases)} runs (7B, 70B, 405B shapes): 6·N + attention FLOPs per token, over gpus × peak"
+
+
+def _mfu_mistake(ratio: float, n: int, preset, gpus: int) -> str:
+    """Name the slip whose answer is ``ratio`` times the right one (each gives a distinct ratio on these shapes)."""
+    attention = 12 * preset.n_layer * preset.d_model * preset.seq_len
+    total = 6 * n + attention
+    slips = [
+        ((2 * n + attention) / total, "2·N for the weights: training counts 6·N per token (2·N forward, 4·N "
+                                      "backward), like the attention term's 12 = 3 × 4"),
+        (1 / 3, "forward FLOPs only (2·N + 4·n_layer·d_model·seq_len): training also runs backward, twice the "
+                "forward — 6·N + 12·n_layer·d_model·seq_len"),
+        (6 * n / total, "the attention FLOPs (12·n_layer·d_model·seq_len per token) are missing"),
+        ((6 * n + attention / 2) / total, "half the attention FLOPs: count 12·n_layer·d_model·seq_len (QKᵀ and "
+                                          "A·V, forward and backward), as distlab.model.training_flops_per_token"),
+        ((6 * n + 2 * attention) / total, "twice the attention FLOPs: 12·n_layer·d_model·seq_len already counts "
+                                          "QKᵀ and A·V, forward and backward"),
+        (gpus, "the peak is per GPU: divide by gpus × peak"),
+        (1 / gpus, "divided by the GPUs twice? tokens_per_second is the whole cluster's: divide once by "
+                   "gpus × peak"),
+        (100, "a percentage: return the fraction (0.4, not 40)"),
+    ]
+    for value, why in slips:
+        if math.isclose(ratio, value, rel_tol=2e-3):
+            return why
+    return "MFU = (6·N + 12·n_layer·d_model·seq_len) × tokens/s / (gpus × peak); compare your terms with it"
 
 
 # ---------------------------------------------------------------- 11.4
@@ -189,17 +230,19 @@ def check_predicted_bytes(predicted_bytes) -> str:
             if got[axis] == want[axis]:
                 continue
             diff = want[axis] - got[axis]
-            hints = {m * 3 * mb * cfg.seq_len * 4: "the loss's three all-reduces of one fp32 value per token",
-                     m * activation: "one activation-sized all-reduce per micro-batch (the output layer's f in "
-                                     "backward, or the embedding's forward when PP = 1)",
-                     m * activation * (cfg.n_layer // pp): "one all-reduce per block",
-                     -m * activation: "the busiest rank is the last stage: the embedding's all-reduce is on stage 0"}
+            hints = [(m * 3 * mb * cfg.seq_len * 4, "the loss's three all-reduces of one fp32 value per token"),
+                     (m * activation, "one activation-sized all-reduce per micro-batch (the output layer's f in "
+                                      "backward, or the embedding's forward when PP = 1)"),
+                     (m * activation * (cfg.n_layer // pp), "one all-reduce per block (four: two forward, two "
+                                                            "backward)"),
+                     (-m * activation, "the busiest rank is the last stage: the embedding's all-reduce is on "
+                                       "stage 0")]
             if axis == "pp":
-                hints = {m * activation: "with PP > 2 a middle stage sends both ways: activations forward, "
-                                         "gradients back",
-                         -m * activation: "with PP = 2 each rank sends one way only (the ends send nothing "
-                                          "past the model's first or last stage)"}
-            hint = hints.get(diff, "")
+                hints = [(m * activation, "with PP > 2 a middle stage sends both ways: activations forward, "
+                                          "gradients back"),
+                         (-m * activation, "with PP = 2 each rank sends one way only (the ends send nothing "
+                                           "past the model's first or last stage)")]
+            hint = ", or ".join(text for value, text in hints if value == diff)  # one block per stage: two match
             raise CheckFailed(f"{where}: {axis.upper()} {got[axis]:,} bytes, expected {want[axis]:,.0f}"
                               + (f" — missing or extra: {hint}" if hint else ""))
     return f"{len(cases)} layouts: TP and PP bytes of the busiest rank, as distlab's comm log counts them"
@@ -207,34 +250,41 @@ def check_predicted_bytes(predicted_bytes) -> str:
 
 # ---------------------------------------------------------------- quiz
 
-_405B_TFLOPS = 400e12  # Llama 3 405B's reported throughput per GPU (Dubey et al. 2024, Table 4)
+_405B_TFLOPS = 430e12  # the top of Llama 3 405B's reported 380–430 TFLOP/s per GPU (Dubey et al. 2024, Table 4)
 
 QUIZ = [
-    quiz.number("Q11.1", "pipeline bubble fraction for PP = 4 and m = 16 micro-batches (1F1B)",
-                answer=bubble_fraction(4, 16), rel_tol=0.01,
-                hint="'The planner, term by term': (p-1)/(m+p-1)"),
-    quiz.number("Q11.2", "milliseconds for one all-reduce of a 7B model's bf16 gradients on 8 GPUs at 450 GB/s",
-                answer=gradient_all_reduce_seconds("7B", 8, 450e9) * 1e3, rel_tol=0.03,
-                hint="'The seeds' arithmetic, computed': 2(N-1)/N × 2 bytes × N_params / bandwidth"),
-    quiz.number("Q11.3", "days to train 70B on 1.4T tokens on 1,024 H100s (989 TFLOP/s bf16) at 50% MFU",
-                answer=run_cost("70B", 1.4e12, h100_cluster(1024), 0.5, 2048 * 4096)["days"], rel_tol=0.05,
-                hint="'The seeds' arithmetic, computed': (6N + attention) × tokens / (GPUs × peak × MFU)"),
-    quiz.number("Q11.4", "MFU of Llama 3 405B at its reported 400 TFLOP/s per H100 (989 TFLOP/s peak)",
+    quiz.number("Q11.1", "pipeline bubble fraction for PP = 8 and m = 32 micro-batches (1F1B)",
+                answer=bubble_fraction(8, 32), rel_tol=0.01,
+                hint="'MFU at 18%: the top five suspects', suspect 1, and lab 06's bubble section"),
+    quiz.number("Q11.2", "milliseconds for one all-reduce of the 70B model's bf16 gradients on 8 GPUs at 450 GB/s",
+                answer=gradient_all_reduce_seconds("70B", 8, 450e9) * 1e3, rel_tol=0.03,
+                hint="'The seeds' arithmetic, computed', and lab 02's ring all-reduce: what each GPU sends"),
+    quiz.number("Q11.3", "days to train 405B on 15.6T tokens on 16,384 H100s (989 TFLOP/s bf16) at 40% MFU",
+                answer=run_cost("405B", 15.6e12, h100_cluster(16384), 0.4, 2048 * 8192)["days"], rel_tol=0.05,
+                hint="'The seeds' arithmetic, computed', and 'MFU: what the model's math gets of the machine'"),
+    quiz.number("Q11.4", "MFU of Llama 3 405B at 430 TFLOP/s per H100 (989 TFLOP/s peak)",
                 answer=_405B_TFLOPS / 989e12, rel_tol=0.02,
-                hint="'MFU: what the model's math gets of the machine': achieved over peak"),
+                hint="'MFU: what the model's math gets of the machine'"),
     quiz.choice("Q11.5", "why tensor parallelism stays inside a node", answer="b", options="abcd",
                 hint="'Which axis goes where': the TP seconds on NVLink and on InfiniBand"),
     quiz.choice("Q11.6", "MFU is 18%: which is not one of the top suspects", answer="d", options="abcde",
-                hint="'MFU at 18%: the top five suspects': which one does not change the time per step?"),
-    quiz.number("Q11.7", "process groups along TP in Llama 3's TP 8 × PP 16 × DP 128 on 16,384 GPUs",
-                answer=len(Grid(dp=128, pp=16, tp=8).groups("tp")), rel_tol=0,
-                hint="'A grid of process groups': one TP group per (dp, pp) coordinate"),
+                hint="'MFU at 18%: the top five suspects': each suspect is a term of the step time"),
+    quiz.number("Q11.7", "pipelines (process groups along PP) in Llama 3's TP 8 × PP 16 × DP 128 on 16,384 GPUs",
+                answer=len(Grid(dp=128, pp=16, tp=8).groups("pp")), rel_tol=0,
+                hint="'A grid of process groups': which ranks a PP group holds"),
+    quiz.number("Q11.8", "gradient reduce-scatters per step of ZeRO-2 under PP 16 with m = 16 micro-batches "
+                         "(gradients not kept over the micro-batches)",
+                answer=dp_messages(Layout(dp=128, tp=8, pp=16, zero=2, m=16))[0], rel_tol=0,
+                hint="'The planner, term by term': ZeRO under a pipeline"),
 ]
 
 EXERCISES = [
-    Exercise("11.1", "the process-group grid: every group of every axis", 3, check_grid_groups),
-    Exercise("11.2", "data parallelism across pipelines of tensor-parallel stages", 3, check_sync_gradients),
-    Exercise("11.3", "MFU with the 6·N rule and attention FLOPs", 2, check_mfu),
+    Exercise("11.1", "the process-group grid: every group of every axis", 3, check_grid_groups,
+             references=("distlab.parallel3d.grid.process_groups",)),
+    Exercise("11.2", "data parallelism across pipelines of tensor-parallel stages", 3, check_sync_gradients,
+             references=("distlab.parallel3d.grid.average_gradients",)),
+    Exercise("11.3", "MFU with the 6·N rule and attention FLOPs", 2, check_mfu,
+             references=("distlab.flops.mfu",)),
     Exercise("11.4", "the bytes each axis sends, predicted", 3, check_predicted_bytes),
     *QUIZ,
 ]

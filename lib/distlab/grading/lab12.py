@@ -131,8 +131,13 @@ def _resume_case(train_resumable, case: dict) -> None:
                               f"got {type(losses).__name__}")
         start = min(losses)
         if start != case["resume_at"]:
-            why = ("it started again from step 0: load latest_checkpoint(ckpt_dir) and continue from its step"
-                   if start == 0 else "continue from the step stored in the latest committed checkpoint")
+            if start == 0:
+                why = "it started again from step 0: load latest_checkpoint(ckpt_dir) and continue from its step"
+            elif start == case["resume_at"] - 1:
+                why = (f"one step short: the checkpoint named step_{case['resume_at']:08d} must store step = "
+                       f"{case['resume_at']}, the number of updates done (the index of the last step plus one)")
+            else:
+                why = "continue from the step stored in the latest committed checkpoint"
             raise CheckFailed(f"{where_text}: the restarted job began at step {start}, but the last complete "
                               f"checkpoint holds {case['resume_at']} steps: {why}")
         resume_dir = checkpoint_path(my_dir, start)
@@ -187,17 +192,37 @@ def _sdc_cases(rng: random.Random) -> list[dict]:
     for kind in ("mantissa", "exponent", "two replicas", "clean"):
         world = 4 if kind == "two replicas" else rng.choice([3, 4])
         cfg = _tiny_cfg(rng)
-        names = [n for n, _ in GPT(cfg).named_parameters()]
-        shapes = {n: p.numel() for n, p in GPT(cfg).named_parameters()}
+        # matrices only: their entries are random and non-zero, so a last-bit flip is one ulp of a real value
+        # (a bias starts at zero, and a flipped zero becomes a subnormal that even a float sum sees)
+        shapes = {n: p.numel() for n, p in GPT(cfg).named_parameters() if p.dim() == 2}
+        names = list(shapes)
         flips = []
         if kind != "clean":
-            ranks = rng.sample(range(world), 2 if kind == "two replicas" else 1)
+            # two corrupted replicas, one of them rank 0: a detector that trusts rank 0 as the reference fails
+            ranks = [0, rng.randrange(1, world)] if kind == "two replicas" else rng.sample(range(world), 1)
             targets = rng.sample([n for n in names if shapes[n] > 8], len(ranks))  # a clear majority per parameter
             for rank, name in zip(ranks, targets):
                 bit = 0 if kind == "mantissa" else rng.choice([0, 12, 30])
                 flips.append((rank, name, rng.randrange(shapes[name]), bit))
         cases.append(dict(kind=kind, world=world, cfg=cfg, seed=rng.randrange(1000), flips=flips))
     return cases
+
+
+def _sdc_hint(case: dict, expected: dict[int, list[str]], got: dict[int, list[str]]) -> str:
+    """Name the usual mistake behind a wrong verdict: a float comparison, a reference rank, one hash per model."""
+    if 0 in expected and set(got) - set(expected):
+        return (": rank 0 is itself corrupted here, so every replica differs from it; take the most common "
+                "fingerprint of each parameter as the reference, not rank 0's")
+    too_many = [r for r, names in got.items() if r in expected and set(names) > set(expected[r])]
+    if too_many:
+        return (f": rank {too_many[0]} is named with parameters whose bits are intact; fingerprint each parameter "
+                f"separately and name only those that differ from the majority")
+    missed = [r for r in expected if got.get(r) != expected[r]]
+    flip = next((f for f in case["flips"] if missed and f[0] == missed[0]), None)
+    if flip is not None and flip[3] == 0:
+        return (": a flip of the last mantissa bit changes the value by one unit in the last place, which "
+                "allclose, a float sum or a float comparison cannot see; hash the bits (view the tensor as integers)")
+    return ""
 
 
 def check_sdc_detector(detect_sdc) -> str:
@@ -220,13 +245,8 @@ def check_sdc_detector(detect_sdc) -> str:
             continue
         if not expected:
             raise CheckFailed(f"{case['world']} identical replicas: you reported {got}, but no bit was flipped")
-        missed = {r: n for r, n in expected.items() if got.get(r) != n}
-        rank = next(iter(missed))
-        flip = next(f for f in case["flips"] if f[0] == rank)
-        hint = (": a flip of the last mantissa bit changes the value by one unit in the last place, which "
-                "allclose, a float sum or a float comparison cannot see; hash the bits (view the tensor as integers)"
-                if flip[3] == 0 else "")
-        raise CheckFailed(f"{case['world']} replicas, {flips}: expected {expected}, got {got}{hint}")
+        raise CheckFailed(f"{case['world']} replicas, {flips}: expected {expected}, got {got}"
+                          f"{_sdc_hint(case, expected, got)}")
     return (f"{len(cases)} cases on 3-4 replicas (a 1-ulp flip, an exponent flip, two corrupted replicas, a clean "
             f"run): every rank named exactly the corrupted replicas and parameters")
 
@@ -273,6 +293,20 @@ def _fmt(value: float) -> str:
     return f"{value:.4g}"
 
 
+def _guard_hint(expected: str, got: str, loss: float, grad: float, reason: str) -> str:
+    """What a guard that answers ``got`` where the reference answers ``expected`` most likely gets wrong."""
+    if got == "ok" and not (math.isfinite(loss) and math.isfinite(grad)):
+        return "NaN compares False with everything, so a NaN passes a `loss > limit` test: check math.isfinite first"
+    if got == "ok" and reason.startswith("gradient-norm"):
+        return "The loss looks normal here but the gradient norm spiked: compare it with its own recent median too"
+    if expected == "rollback" and got == "skip":
+        return "The patience-th bad step in a row asks for 'rollback': count bad steps, reset on a good one"
+    if expected == "skip" and got == "rollback":
+        return ("Too early for 'rollback': the count of bad steps in a row starts again after a good step and "
+                "after a rollback")
+    return "Only good steps enter the history; medians of the last `window` good steps"
+
+
 def _check_sequences(guard_class, rng: random.Random) -> int:
     for index, (params, sequence) in enumerate(_guard_sequences(rng)):
         mine, reference = guard_class(**params), SpikeGuard(**params)
@@ -284,7 +318,7 @@ def _check_sequences(guard_class, rng: random.Random) -> int:
                 raise CheckFailed(
                     f"sequence {index + 1} with {params}: at step {step} (loss {_fmt(loss)}, gradient norm "
                     f"{_fmt(grad)}; the steps before: {recent}) the reference answers {expected!r}{why}, yours "
-                    f"{got!r}. Only good steps enter the history; medians of the last `window` good steps")
+                    f"{got!r}. {_guard_hint(expected, got, loss, grad, reference.reason)}")
     return index + 1
 
 
@@ -338,6 +372,10 @@ def check_checkpoint_cadence(job_mtbf, optimal_interval) -> str:
                 hint = ": that is one GPU's MTBF; a job on N GPUs fails N times as often"
             elif math.isclose(got, want * n_gpus / 16_384, rel_tol=1e-6):
                 hint = ": Llama 3's 3.1 h is for 16,384 GPUs; scale it by 16,384 / N"
+            elif math.isclose(got, want / 24, rel_tol=1e-6):
+                hint = ": that is in days; the answer is in hours"
+            elif math.isclose(got, want * 60, rel_tol=1e-6):
+                hint = ": that is in minutes; the answer is in hours"
             raise CheckFailed(f"job_mtbf({n_gpus}) = {got:.4g} h, expected {want:.4g} h{hint}")
     for _ in range(6):
         delta, mtbf = rng.uniform(5, 900), rng.uniform(1800, 200_000)
@@ -351,16 +389,22 @@ def check_checkpoint_cadence(job_mtbf, optimal_interval) -> str:
 # ---------------------------------------------------------------- quiz
 
 EXERCISES = [
-    Exercise("12.1", "resumable training: exact resume after a killed rank", 4, check_resumable_training),
-    Exercise("12.2", "replica hashes name the corrupted DP rank", 3, check_sdc_detector),
-    Exercise("12.3", "loss-spike and NaN guard: skip or roll back", 3, check_spike_guard),
-    Exercise("12.4", "checkpoint cadence from the failure rate", 2, check_checkpoint_cadence),
+    Exercise("12.1", "resumable training: exact resume after a killed rank", 4, check_resumable_training,
+             references=("distlab.fault_tolerance.resume.resumable_train",)),
+    Exercise("12.2", "replica hashes name the corrupted DP rank", 3, check_sdc_detector,
+             references=("distlab.fault_tolerance.detect.find_divergent_replicas",)),
+    Exercise("12.3", "loss-spike and NaN guard: skip or roll back", 3, check_spike_guard,
+             references=("distlab.fault_tolerance.guards.SpikeGuard",)),
+    Exercise("12.4", "checkpoint cadence from the failure rate", 2, check_checkpoint_cadence,
+             references=("distlab.fault_tolerance.cadence.young_interval",
+                         "distlab.fault_tolerance.cadence.job_mtbf_hours")),
     quiz.number("Q12.1", "Llama 3's job MTBF in hours", answer=54 * 24 / 419, rel_tol=0.02,
-                hint="54 days of 24 hours, divided by the 419 unexpected interruptions (section 'How often to "
-                     "checkpoint')"),
+                hint="the section 'How often to checkpoint' (chapter §1) turns a failure count over a window into "
+                     "a job's MTBF; mind the unit the question asks for"),
     quiz.number("Q12.2", "Young's interval in minutes for a 60 s stall at Llama 3's MTBF",
                 answer=young_interval(60, 54 * 24 / 419 * 3600) / 60, rel_tol=0.03,
-                hint="sqrt(2·δ·M) with δ and M in seconds, then minutes (section 'How often to checkpoint')"),
+                hint="Young's interval, derived in the section 'How often to checkpoint' (chapter §1); keep the stall "
+                     "and the MTBF in one unit and answer in minutes"),
     quiz.choice("Q12.3", "what an async checkpoint stalls training for", answer="b", options="abcd",
                 hint="what does dcp.async_save do before it returns? (section 'Synchronous against asynchronous "
                      "checkpoints')"),
@@ -371,6 +415,7 @@ EXERCISES = [
     quiz.choice("Q12.6", "the loss spikes at step 28k", answer="b", options="abcd",
                 hint="what happens if you replay the same batches? (section 'Loss spikes and NaNs')"),
     quiz.number("Q12.7", "bytes of each rank's shard after loading a 4-rank FSDP checkpoint on 2 ranks, vs at 4",
-                answer=2.0, rel_tol=0.01, hint="the same global tensors, split over half the ranks (section "
-                                               "'Sharded checkpoints, another world size')"),
+                answer=2.0, rel_tol=0.01, hint="what does each FSDP rank hold of every tensor, and what changes "
+                                               "when the world size does? (section 'Sharded checkpoints, another "
+                                               "world size', chapter §3)"),
 ]

@@ -16,8 +16,8 @@ import torch.nn.functional as F
 
 from distlab.model import _mix
 
-__all__ = ["Routing", "route", "skewed_tokens", "expert_capacity", "assign_capacity", "load_balancing_loss",
-           "router_z_loss", "update_expert_bias", "imbalance"]
+__all__ = ["Routing", "route", "noisy_route", "skewed_tokens", "expert_capacity", "assign_capacity",
+           "load_balancing_loss", "router_z_loss", "update_expert_bias", "imbalance"]
 
 
 # ---------------------------------------------------------------- routing
@@ -54,6 +54,33 @@ def route(x: torch.Tensor, weight: torch.Tensor, k: int, bias: torch.Tensor | No
     probs = torch.softmax(logits.float(), dim=-1)
     scores = probs if bias is None else probs + bias.to(probs.dtype)
     experts = scores.topk(k, dim=-1).indices
+    gates = probs.gather(-1, experts)
+    if k > 1:
+        gates = gates / gates.sum(dim=-1, keepdim=True)
+    return Routing(logits, probs, experts, gates)
+
+
+def noisy_route(x: torch.Tensor, weight: torch.Tensor, k: int, noise_std: float = 1.0,
+                noise_weight: torch.Tensor | None = None, generator: torch.Generator | None = None) -> Routing:
+    """Noisy top-k gating (Shazeer et al. 2017), used in training only: Gaussian noise on the router logits
+    before the top-k, ``H = x·Wᵀ + ε·σ`` with ``ε ~ N(0, 1)``.
+
+    ``σ`` is ``softplus(x·W_noiseᵀ)`` per token and expert when ``noise_weight`` [E, d] is given (learned, as in
+    the paper, whose ``W_noise`` starts at zero: σ = softplus(0) ≈ 0.69), else the constant ``noise_std``.
+    Gates as in :func:`route`, from the softmax of the noisy logits (for k > 1 the paper's
+    softmax over the k kept logits). The noise spreads tokens only by overriding the router's preference;
+    in the paper it also makes the load a smooth function of the router, for its load loss.
+    """
+    num_experts = weight.shape[0]
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= num_experts:
+        raise ValueError(f"k={k!r} experts per token, but the router has {num_experts} experts: "
+                         f"need 1 <= k <= {num_experts}")
+    clean = x @ weight.t()
+    std = F.softplus(x @ noise_weight.t()) if noise_weight is not None else noise_std
+    noise = torch.randn(clean.shape, generator=generator, dtype=clean.dtype).to(clean.device)
+    logits = clean + noise * std
+    probs = torch.softmax(logits.float(), dim=-1)
+    experts = probs.topk(k, dim=-1).indices
     gates = probs.gather(-1, experts)
     if k > 1:
         gates = gates / gates.sum(dim=-1, keepdim=True)

@@ -16,9 +16,18 @@ Nothing here is a new formula. Each number comes from the module that teaches it
   and MFU from :func:`distlab.flops.mfu`.
 
 The time model is deliberately simple — compute at a fixed fraction of peak, TP/CP/PP traffic
-on the critical path, the DP gradient reduction hidden behind the last micro-batch's backward,
-ZeRO-3's gathers behind the compute — so every term can be read and argued with. It ranks
-layouts; it does not promise a step time to the millisecond.
+on the critical path, a DP reduction made once per step hidden behind the last micro-batch's backward,
+per-micro-batch reduce-scatters behind every backward, per-micro-batch gathers behind all the compute —
+so every term can be read and argued with. It ranks layouts; it does not promise a step time to the
+millisecond.
+
+ZeRO-2/3 compose with a pipeline (Llama 3 405B ran FSDP over PP 16; torchtitan composes FSDP2 with PP).
+What the ``m`` micro-batches of a step cost depends on two choices, and the planner prices both ways
+(:attr:`Layout.keep_weights`, :attr:`Layout.keep_grads`): gradients reduce-scattered as each micro-batch's
+backward makes them (sharded in HBM, ``m`` messages), or accumulated unsharded and reduce-scattered once
+(full gradients in HBM, one message); ZeRO-3's weights gathered for every micro-batch's forward and again
+for its backward (``2m`` gathers), or gathered once per step and kept (full weights in HBM). Keeping both
+is what Llama 3 did, and at the peak of a step it holds and sends exactly what ZeRO-1 does.
 """
 
 from __future__ import annotations
@@ -30,7 +39,7 @@ from dataclasses import dataclass, field
 
 from distlab.collectives import all_reduce_cost, ring_all_gather_bytes, ring_all_reduce_bytes
 from distlab.context_parallel.cost import ring_bytes
-from distlab.flops import PEAK_FLOPS, mfu, tokens_per_second
+from distlab.flops import PEAK_FLOPS, hfu, mfu, tokens_per_second
 from distlab.memory import PRESETS, Preset, activation_bytes_per_layer, bytes_per_param
 from distlab.model import GPTConfig, count_params, training_flops_per_token
 from distlab.parallel3d.grid import Grid
@@ -44,9 +53,10 @@ from distlab.tensor_parallel import (
 )
 
 __all__ = ["ModelShape", "Cluster", "Layout", "Estimate", "Plan", "h100_cluster", "estimate", "enumerate_layouts",
-           "plan", "bytes_per_axis", "run_cost", "gradient_all_reduce_seconds", "plot_plan"]
+           "plan", "bytes_per_axis", "dp_messages", "run_cost", "gradient_all_reduce_seconds", "plot_plan"]
 
 GB = 1e9
+OVERLAP_COST = 0.2  # share of overlapped DP traffic that still costs time: NCCL's kernels share the SMs (assumed)
 
 
 @dataclass(frozen=True)
@@ -118,7 +128,10 @@ class Layout:
     """One way to run: the degrees, the ZeRO stage, micro-batching and recomputation.
 
     ``m`` micro-batches of ``micro_batch`` sequences per pipeline per step; ``v`` pipeline
-    stages per rank (interleaved 1F1B when ``v > 1``).
+    stages per rank (interleaved 1F1B when ``v > 1``). ``keep_grads`` (ZeRO-2/3): accumulate the
+    micro-batches' gradients unsharded and reduce-scatter them once, instead of once per micro-batch;
+    ``keep_weights`` (ZeRO-3): gather the weights once per step and keep them until the step ends
+    (FSDP's ``reshard_after_forward=False``), instead of for every micro-batch's forward and backward.
     """
 
     dp: int
@@ -131,16 +144,34 @@ class Layout:
     m: int = 1
     v: int = 1
     checkpointing: bool = False
+    keep_grads: bool = False
+    keep_weights: bool = False
 
     @property
     def world(self) -> int:
         return self.dp * self.tp * self.pp * self.cp
 
+    @property
+    def dp_schedule(self) -> str:
+        """What the DP axis does over a step's micro-batches, in words (:func:`dp_messages`)."""
+        grads, weights = dp_messages(self)
+        if self.zero == 0:
+            return "gradients accumulated and all-reduced once"
+        held = "weights gathered for every micro-batch's forward and backward" if weights > 1 else (
+            "whole weights kept over the step, gathered once")
+        reduced = ("gradients reduce-scattered after every micro-batch's backward" if grads > 1 else
+                   "gradients accumulated whole and reduce-scattered once")
+        return f"{held}; {reduced}"
+
     def __str__(self) -> str:
         axes = " × ".join(f"{name} {value}" for name, value in (("TP", self.tp), ("CP", self.cp), ("PP", self.pp),
                                                                  ("EP", self.ep), ("DP", self.dp))
                           if value > 1 or name in ("TP", "PP", "DP"))
-        extras = [f"ZeRO-{self.zero}" if self.zero else "DDP", f"m={self.m}"]
+        extras = [f"ZeRO-{self.zero}" if self.zero else "DDP"]
+        kept = [what for what, flag in (("weights", self.keep_weights), ("grads", self.keep_grads)) if flag]
+        if kept:
+            extras.append(f"kept {'+'.join(kept)}")
+        extras.append(f"m={self.m}")
         if self.micro_batch > 1:
             extras.append(f"mb={self.micro_batch}")
         if self.v > 1:
@@ -152,7 +183,10 @@ class Layout:
 
 @dataclass
 class Estimate:
-    """What one layout costs: per-GPU memory (bytes), time per step (s), MFU, and why it cannot run."""
+    """What one layout costs: per-GPU memory (bytes), time per step (s), MFU, and why it cannot run.
+
+    ``hfu`` counts the recomputed forward too (:func:`distlab.flops.hfu`): with checkpointing the hardware
+    is busier than the model's progress shows, so HFU is above MFU by the recomputed third."""
 
     layout: Layout
     reasons: list[str] = field(default_factory=list)
@@ -162,6 +196,7 @@ class Estimate:
     bubble: float = 0.0
     step_time: float = math.inf
     mfu: float = 0.0
+    hfu: float = 0.0
 
     @property
     def feasible(self) -> bool:
@@ -171,8 +206,8 @@ class Estimate:
         mem = f"{self.memory.get('total', 0) / GB:6.1f} GB"
         if not self.feasible:
             return f"{self.layout}: {mem}/GPU — " + "; ".join(self.reasons)
-        return (f"{self.layout}: {mem}/GPU, bubble {self.bubble:.0%}, step {self.step_time:.2f} s, "
-                f"MFU {self.mfu:.0%}")
+        used = f"MFU {self.mfu:.0%}" + (f" (HFU {self.hfu:.0%})" if self.hfu > self.mfu else "")
+        return f"{self.layout}: {mem}/GPU, bubble {self.bubble:.0%}, step {self.step_time:.2f} s, {used}"
 
 
 def _link(cluster: Cluster, layout: Layout, axis: str) -> tuple[float, int]:
@@ -201,8 +236,8 @@ def bytes_per_axis(model: ModelShape, layout: Layout, sequence_parallel: bool = 
       the loss's three one-value-per-token all-reduces; :func:`~distlab.tensor_parallel.collectives_per_step`);
     * pp — one activation of a micro-batch per forward and one gradient per backward, except at the ends;
     * cp — :func:`~distlab.context_parallel.cost.ring_bytes`, forward and backward, per layer;
-    * dp — this rank's gradients once per step; ZeRO-2 and ZeRO-3 once per micro-batch and more
-      (:func:`_dp_messages`).
+    * dp — this rank's gradients, reduced once per step or (ZeRO-2/3 without ``keep_grads``) once per
+      micro-batch, plus the parameters ZeRO's all-gathers return (:func:`dp_messages`).
     """
     t, mb, seq = layout.tp, layout.micro_batch, model.seq_len // layout.cp
     layers = _layers_per_rank(model, layout)
@@ -239,9 +274,10 @@ def bytes_per_axis(model: ModelShape, layout: Layout, sequence_parallel: bool = 
     if layout.cp > 1:
         out["cp"] = layout.m * layers * ring_bytes(mb, model.n_head, model.seq_len, model.head_dim, layout.cp,
                                                    bytes_per_value, backward=True, kv_heads=model.n_kv_head)
-    grad_bytes = _params_per_rank(model, layout) * (grad_bytes_per_value or bytes_per_value)
+    params = _params_per_rank(model, layout)
     if layout.dp * layout.cp > 1:
-        out["dp"] = grad_bytes * _dp_messages(layout)
+        grads, weights = dp_messages(layout)
+        out["dp"] = params * (grads * (grad_bytes_per_value or bytes_per_value) + weights * bytes_per_value)
     return out
 
 
@@ -255,15 +291,19 @@ def _calls_per_axis(model: ModelShape, layout: Layout) -> dict[str, float]:
     per_block = forward * (2 if layout.checkpointing else 1) + sum(c for c, _ in block["backward"].values())
     return {"tp": layout.m * layers * per_block,
             "cp": layout.m * layers * (3 * layout.cp - 2) if layout.cp > 1 else 0,
-            "dp": layers * _dp_messages(layout) if layout.dp * layout.cp > 1 else 0}
+            "dp": layers * sum(dp_messages(layout)) if layout.dp * layout.cp > 1 else 0}
 
 
-def _dp_messages(layout: Layout) -> int:
-    """Gradient-sized messages per step on the DP axis. DDP/ZeRO-1 accumulate the ``m`` micro-batches'
-    gradients locally and reduce once; ZeRO-2 keeps only a shard of the gradients, so every micro-batch's
-    are reduce-scattered as they appear (and the parameters all-gathered after the step); ZeRO-3 also
-    gathers the parameters for each micro-batch's forward and backward."""
-    return {0: 1, 1: 1, 2: layout.m + 1, 3: 3 * layout.m}[layout.zero]
+def dp_messages(layout: Layout) -> tuple[int, int]:
+    """(gradient reductions, parameter all-gathers) per step on the DP axis, each of the rank's whole
+    shard of the model. DDP/ZeRO-1 accumulate the ``m`` micro-batches' gradients locally and reduce once
+    (ZeRO-1 then all-gathers the updated parameters); ZeRO-2/3 hold only a shard of the gradients, so each
+    micro-batch's are reduce-scattered as backward makes them — or, with ``keep_grads``, accumulated
+    unsharded and reduce-scattered once. ZeRO-2 all-gathers the parameters after the step; ZeRO-3 gathers
+    them for each micro-batch's forward and again for its backward — or, with ``keep_weights``, once."""
+    grads = layout.m if layout.zero >= 2 and not layout.keep_grads else 1
+    weights = {0: 0, 1: 1, 2: 1, 3: 1 if layout.keep_weights else 2 * layout.m}[layout.zero]
+    return grads, weights
 
 
 def _params_per_rank(model: ModelShape, layout: Layout) -> float:
@@ -292,26 +332,28 @@ def _check(model: ModelShape, cluster: Cluster, layout: Layout, global_batch: in
     if layout.dp * layout.micro_batch * layout.m != global_batch:
         reasons.append(f"DP {layout.dp} × micro-batch {layout.micro_batch} × m {layout.m} ≠ the global batch of "
                        f"{global_batch} sequences")
-    if layout.pp > 1 and layout.zero >= 2:
-        reasons.append(f"ZeRO-{layout.zero} with PP {layout.pp}: sharded gradients cannot accumulate over the "
-                       f"micro-batches (Megatron-LM and DeepSpeed pipelines allow ZeRO-1 at most)")
+    if layout.keep_grads and layout.zero < 2 or layout.keep_weights and layout.zero < 3:
+        reasons.append(f"ZeRO-{layout.zero} shards no {'weights' if layout.keep_weights else 'gradients'} "
+                       f"to keep unsharded")
     if layout.v > 1 and layout.m % layout.pp:
         reasons.append(f"interleaving needs m={layout.m} to be a multiple of PP {layout.pp}")
     return reasons
 
 
 def estimate(model: ModelShape, cluster: Cluster, layout: Layout, global_batch: int,
-             matmul_efficiency: float = 0.7, headroom: float = 0.1, precision: str = "mixed") -> Estimate:
+             matmul_efficiency: float = 0.7, headroom: float = 0.1, precision: str = "mixed",
+             overlap_cost: float = OVERLAP_COST) -> Estimate:
     """Memory, time and MFU of ``layout``, and every reason it cannot run.
 
     ``matmul_efficiency``: the share of peak FLOP/s the matmuls reach (an assumption, stated);
     ``headroom``: the share of HBM kept free for buffers and fragmentation; ``precision``: a
     :func:`distlab.memory.bytes_per_param` precision — ``"mixed_fp32_grads"`` accumulates and
-    reduces the gradients in fp32 (Llama 3), doubling their memory and their DP traffic.
+    reduces the gradients in fp32 (Llama 3), doubling their memory and their DP traffic;
+    ``overlap_cost``: the share of the DP traffic hidden behind compute that still slows it (an assumption).
     """
     est = Estimate(layout, reasons=_check(model, cluster, layout, global_batch))
     if any("does not divide" in r or "stages for" in r or "interleaving" in r or "global batch" in r
-           or "cannot accumulate" in r for r in est.reasons):
+           or "to keep unsharded" in r for r in est.reasons):
         return est  # the shapes do not work: nothing to estimate
     seq, mb = model.seq_len // layout.cp, layout.micro_batch
     layers = _layers_per_rank(model, layout)
@@ -326,7 +368,9 @@ def estimate(model: ModelShape, cluster: Cluster, layout: Layout, global_batch: 
     else:
         per_layer, working = full_layer, 0
     in_flight = peak_in_flight(layout.pp, layout.m, layout.v) if layout.pp > 1 else 1
-    est.memory = {"params": params * per_param.params, "grads": params * per_param.grads,
+    # what a step holds at its peak: kept weights or gradients are whole, as without ZeRO
+    est.memory = {"params": params * (unsharded.params if layout.keep_weights else per_param.params),
+                  "grads": params * (unsharded.grads if layout.keep_grads else per_param.grads),
                   "optimizer": params * per_param.optimizer,
                   "activations": in_flight * layers * per_layer + working}
     est.memory["states"] = est.memory["params"] + est.memory["grads"] + est.memory["optimizer"]
@@ -341,7 +385,7 @@ def estimate(model: ModelShape, cluster: Cluster, layout: Layout, global_batch: 
     flops = model.flops_per_token * tokens
     compute = flops / cluster.gpus / (cluster.peak_flops * matmul_efficiency)
     if layout.checkpointing:
-        compute *= 8 / 6  # one more forward (2N of the 6N)
+        compute *= 4 / 3  # one more forward (2N of the 6N), counted by HFU, not MFU
     est.bytes = bytes_per_axis(model, layout, grad_bytes_per_value=int(unsharded.grads))
     seconds = {"compute": compute}
     links = {axis: _link(cluster, layout, axis) for axis in ("tp", "cp", "pp", "dp")}
@@ -357,17 +401,8 @@ def estimate(model: ModelShape, cluster: Cluster, layout: Layout, global_batch: 
     seconds["tp"] = on_link("tp", ring_all_gather_bytes(est.bytes["tp"], layout.tp), calls["tp"] * (layout.tp - 1))
     seconds["cp"] = on_link("cp", est.bytes["cp"], calls["cp"])
     seconds["pp"] = on_link("pp", est.bytes["pp"], 0)
-    n = layout.dp * layout.cp
-    if layout.zero >= 2:  # gathers and reduce-scatters
-        dp_time = on_link("dp", ring_all_gather_bytes(est.bytes["dp"], n), calls["dp"] * (n - 1))
-    else:  # an all-reduce; ZeRO-1's reduce-scatter and all-gather move the same unless the gradients
-        # are wider than the parameters the all-gather returns (fp32 gradients, bf16 parameters)
-        latencies, wire = all_reduce_cost("ring", est.bytes["dp"], n)
-        if layout.zero == 1:
-            wire = ring_all_gather_bytes(est.bytes["dp"] + params * unsharded.params, n)
-        dp_time = on_link("dp", wire, latencies * calls["dp"])
-    hidden = {3: compute, 2: compute * 2 / 3}.get(layout.zero, compute * (2 / 3) / layout.m)
-    seconds["dp exposed"] = max(0.0, dp_time - hidden)
+    seconds["dp exposed"] = _dp_exposed(layout, est.bytes["dp"], calls["dp"], compute, on_link, overlap_cost,
+                                        unsharded.grads / unsharded.params)
     est.bubble = (bubble_fraction(layout.pp, layout.m) if layout.v == 1 else
                   interleaved_bubble_fraction(layout.pp, layout.m, layout.v))
     slot_work = compute + seconds["tp"] + seconds["cp"] + seconds["pp"]
@@ -375,7 +410,37 @@ def estimate(model: ModelShape, cluster: Cluster, layout: Layout, global_batch: 
     est.seconds = seconds
     est.step_time = slot_work + seconds["bubble"] + seconds["dp exposed"]
     est.mfu = mfu(model.flops_per_token, tokens / est.step_time / cluster.gpus, cluster.peak_flops)
+    recomputed = model.flops_per_token / 3 if layout.checkpointing else 0.0  # the forward, once more
+    est.hfu = hfu(model.flops_per_token, tokens / est.step_time / cluster.gpus, cluster.peak_flops, recomputed)
     return est
+
+
+def _dp_exposed(layout: Layout, dp_bytes: float, dp_calls: float, compute: float, on_link, overlap_cost: float,
+                grad_width: float = 1.0) -> float:
+    """Seconds of DP traffic the compute does not hide. Each kind of message has a window it must fit in:
+    a reduction or gather made once per step, the last micro-batch's backward (2/3 of its compute); the
+    reduce-scatters of every micro-batch, every backward (2/3 of all compute); the gathers of every
+    micro-batch, all the compute. The windows nest, so the link is late by the most that any window's
+    traffic (its own and that of the narrower windows) overruns it. The part that is hidden is not free:
+    ``overlap_cost`` of it is charged too (the collectives' kernels take SMs and memory bandwidth from the
+    matmuls they overlap). ``grad_width``: a gradient value's bytes over a parameter's (2 for fp32 gradients
+    of bf16 weights), to split the time between the two kinds of message."""
+    n = layout.dp * layout.cp
+    if n == 1:
+        return 0.0
+    grads, weights = dp_messages(layout)
+    if layout.zero >= 1:  # reduce-scatters and all-gathers: (N-1)/N of each payload in N-1 ring steps
+        total = on_link("dp", ring_all_gather_bytes(dp_bytes, n), dp_calls * (n - 1))
+    else:  # DDP's all-reduce
+        latencies, wire = all_reduce_cost("ring", dp_bytes, n)
+        total = on_link("dp", wire, latencies * dp_calls)
+    per_gradient = total * grad_width / (grads * grad_width + weights)  # the time of one message of each kind
+    per_gather = total / (grads * grad_width + weights)
+    once = per_gradient * (grads == 1) + per_gather * (weights == 1)
+    grads_each_micro = per_gradient * grads if grads > 1 else 0.0
+    backward = compute * 2 / 3
+    late = max(0.0, once - backward / layout.m, once + grads_each_micro - backward, total - compute)
+    return late + overlap_cost * (total - late)
 
 
 def _divisors(n: int) -> list[int]:
@@ -386,7 +451,12 @@ def enumerate_layouts(model: ModelShape, cluster: Cluster, global_batch: int, tp
                       zero=(0, 1, 2, 3), micro_batch=(1, 2), v=(1, 2, 4), checkpointing=(False, True),
                       max_pp: int = 64):
     """Every layout that uses all the GPUs and splits the batch: TP and CP as given, PP any
-    divisor (up to ``max_pp``), DP the rest, ``m`` = batch / (DP × micro-batch)."""
+    divisor (up to ``max_pp``), DP the rest, ``m`` = batch / (DP × micro-batch).
+
+    With ``m > 1`` ZeRO-3 is tried with and without ``keep_grads`` as well. The other two ways of keeping
+    are not enumerated because they are stages already here: ZeRO-3 keeping its weights over the step holds
+    and sends what ZeRO-2 does, and ZeRO-2 (or ZeRO-3 keeping both) accumulating its gradients what ZeRO-1
+    does — :func:`estimate` prices them the same."""
     for t, c in itertools.product(tp, cp):
         for p in _divisors(cluster.gpus // (t * c)) if cluster.gpus % (t * c) == 0 else []:
             if p > max_pp or p > model.n_layer:
@@ -395,9 +465,11 @@ def enumerate_layouts(model: ModelShape, cluster: Cluster, global_batch: int, tp
             for mb in micro_batch:
                 if global_batch % (d * mb):
                     continue
-                for z, vv, ck in itertools.product(zero, v if p > 1 else (1,), checkpointing):
-                    yield Layout(dp=d, tp=t, pp=p, cp=c, zero=z, micro_batch=mb, m=global_batch // (d * mb), v=vv,
-                                 checkpointing=ck)
+                m = global_batch // (d * mb)
+                stages = [(z, False) for z in zero] + ([(3, True)] if 3 in zero and m > 1 else [])
+                for (z, keep), vv, ck in itertools.product(stages, v if p > 1 else (1,), checkpointing):
+                    yield Layout(dp=d, tp=t, pp=p, cp=c, zero=z, micro_batch=mb, m=m, v=vv, checkpointing=ck,
+                                 keep_grads=keep)
 
 
 @dataclass
@@ -440,13 +512,13 @@ class Plan:
 
 
 def plan(model: ModelShape | str, cluster: Cluster, global_batch: int, matmul_efficiency: float = 0.7,
-         headroom: float = 0.1, precision: str = "mixed", **choices) -> Plan:
+         headroom: float = 0.1, precision: str = "mixed", overlap_cost: float = OVERLAP_COST, **choices) -> Plan:
     """Estimate every layout of :func:`enumerate_layouts` and rank them by step time
-    (``precision`` as in :func:`estimate`)."""
+    (``precision`` and ``overlap_cost`` as in :func:`estimate`)."""
     model = ModelShape.from_preset(model) if isinstance(model, str) else model
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise ValueError(f"global_batch must be a positive number of sequences, got {global_batch!r}")
-    estimates = [estimate(model, cluster, layout, global_batch, matmul_efficiency, headroom, precision)
+    estimates = [estimate(model, cluster, layout, global_batch, matmul_efficiency, headroom, precision, overlap_cost)
                  for layout in enumerate_layouts(model, cluster, global_batch, **choices)]
     feasible = sorted((e for e in estimates if e.feasible), key=lambda e: (e.step_time, e.memory["total"]))
     # near-misses: the shapes work, only a resource is short; least over the limit first

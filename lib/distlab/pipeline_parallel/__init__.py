@@ -64,6 +64,7 @@ from distlab.pipeline_parallel.schedules import (
     gpipe,
     interleaved_1f1b,
     interleaved_bubble_fraction,
+    interleaved_warmup,
     make_schedule,
     num_stages_of,
     one_f_one_b,
@@ -84,7 +85,7 @@ from distlab.pipeline_parallel.train import (
 
 __all__ = [
     "Action", "COMPUTE", "COMMUNICATION", "ScheduleError", "bubble_fraction", "interleaved_bubble_fraction",
-    "peak_in_flight",
+    "peak_in_flight", "interleaved_warmup",
     "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble_h1", "SCHEDULES", "make_schedule", "with_p2p",
     "compute_order", "num_stages_of", "validate", "Simulation", "simulate", "format_schedule",
     "even_partition", "balanced_partition", "stage_costs", "check_partition", "LayerCosts", "measure_layer_costs",

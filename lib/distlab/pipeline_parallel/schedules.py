@@ -29,6 +29,7 @@ from distlab.runtime.timeline import Span
 
 __all__ = [
     "Action", "COMPUTE", "COMMUNICATION", "ScheduleError", "bubble_fraction", "interleaved_bubble_fraction",
+    "peak_in_flight", "interleaved_warmup",
     "gpipe", "one_f_one_b", "interleaved_1f1b", "zero_bubble_h1", "SCHEDULES", "make_schedule", "with_p2p",
     "compute_order", "num_stages_of", "validate", "Simulation", "simulate", "format_schedule",
 ]
@@ -74,13 +75,13 @@ def peak_in_flight(p: int, m: int, v: int = 1) -> float:
     """Most micro-batches rank 0 holds activations for (in whole-rank micro-batches) under
     1F1B (``v = 1``) or interleaved 1F1B: its warm-up forwards plus the first steady one.
 
-    1F1B: ``min(p, m)``. Interleaved: ``(2(p-1) + (v-1)·p + 1) / v`` stage-forwards of
-    ``1/v`` of the rank's layers each (at most ``m``): slightly more than 1F1B's ``p``,
-    the memory price of the smaller bubble. :func:`simulate` measures the same number.
+    1F1B (and interleaved with ``v = 1``, which is 1F1B): ``min(p, m)``. Interleaved with ``v ≥ 2``:
+    ``(2(p-1) + (v-1)·p + 1) / v = p + (p-1)/v`` stage-forwards of ``1/v`` of the rank's layers each
+    (at most ``m``): more than 1F1B's ``p`` at every ``v ≥ 2`` (most at ``v = 2``, tending to ``p`` as
+    ``v`` grows), the memory price of the smaller bubble. :func:`simulate` measures the same number.
     """
     _check_sizes(p, m, v)
-    warmup = p - 1 if v == 1 else 2 * (p - 1) + (v - 1) * p
-    return min(warmup + 1, m * v) / v
+    return min(interleaved_warmup(p, 0, v) + 1, m * v) / v
 
 
 def _check_sizes(p: int, m: int, v: int = 1) -> None:
@@ -125,8 +126,10 @@ def interleaved_1f1b(p: int, m: int, v: int) -> list[list[Action]]:
     r+(v-1)p``. Micro-batches go through a rank's stages in rounds of ``p``: forward ``k``
     (counting every stage's forwards on this rank) is micro-batch ``(k // (p·v))·p + k % p``
     on local chunk ``(k // p) % v``; backward ``k`` the same on the chunks in reverse.
-    Warm-up: ``2(p-r-1) + (v-1)·p`` forwards, then 1F1B, then the remaining backwards.
-    Like Megatron-LM, it needs ``m`` to be a multiple of ``p``."""
+    Warm-up: ``2(p-r-1) + (v-1)·p`` forwards for ``v ≥ 2`` (Megatron-LM's count), then 1F1B, then the
+    remaining backwards. With ``v = 1`` there is nothing to interleave and the warm-up is 1F1B's ``p-r-1``
+    (Megatron-LM runs its plain 1F1B schedule then): the schedule *is* 1F1B, with its ``p`` micro-batches
+    in flight. Like Megatron-LM, it needs ``m`` to be a multiple of ``p``."""
     _check_sizes(p, m, v)
     if m % p:
         raise ValueError(f"interleaved 1F1B needs the micro-batches m={m} to be a multiple of the pipeline "
@@ -142,13 +145,24 @@ def interleaved_1f1b(p: int, m: int, v: int) -> list[list[Action]]:
 
     order = []
     for r in range(p):
-        warmup = min(2 * (p - r - 1) + (v - 1) * p, total)
+        warmup = min(interleaved_warmup(p, r, v), total)
         ops = [stage_of(k, r, True) for k in range(warmup)]
         for i in range(total - warmup):
             ops += [stage_of(warmup + i, r, True), stage_of(i, r, False)]
         ops += [stage_of(k, r, False) for k in range(total - warmup, total)]
         order.append(ops)
     return with_p2p(order, p)
+
+
+def interleaved_warmup(p: int, r: int, v: int) -> int:
+    """Warm-up forwards of rank ``r`` under interleaved 1F1B, before the cap at ``m·v``.
+
+    ``v ≥ 2``: Megatron-LM's ``2(p-r-1) + (v-1)·p`` (one warm-up per rank fewer, ``(p-r-1) + (v-1)·p``, has
+    the same unit-time bubble but :func:`validate` finds its sends and receives out of order at ``p = 2``).
+    ``v = 1``: 1F1B's ``p-r-1``, so interleaving with one stage per rank is exactly 1F1B, as in Megatron-LM,
+    which runs its plain 1F1B schedule when there is one model chunk.
+    """
+    return p - r - 1 if v == 1 else 2 * (p - r - 1) + (v - 1) * p
 
 
 def zero_bubble_h1(p: int, m: int) -> list[list[Action]]:

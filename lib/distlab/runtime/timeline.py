@@ -72,8 +72,13 @@ def idle_fraction(spans: list[Span], rank: int) -> float:
     return 1.0 - busy / total if total > 0 else 0.0
 
 
-def plot(spans: list[Span], ax=None, title: str | None = None, kinds: tuple[str, ...] | None = None):
-    """Gantt chart: one row per rank, one bar per span, coloured by kind."""
+def plot(spans: list[Span], ax=None, title: str | None = None, kinds: tuple[str, ...] | None = None,
+         labels: dict[str, str] | None = None):
+    """Gantt chart: one row per rank, one bar per span, coloured by kind.
+
+    ``labels`` renames kinds in the legend (``{"comm": "background write"}``) where a kind's
+    spans are not what its name says: the colours stay the kinds'.
+    """
     import matplotlib.pyplot as plt  # noqa: PLC0415  matplotlib is heavy and only the plot needs it
     from matplotlib.patches import Patch  # noqa: PLC0415  as above
 
@@ -92,7 +97,9 @@ def plot(spans: list[Span], ax=None, title: str | None = None, kinds: tuple[str,
     ax.set_yticks(sorted({s.rank for s in spans}))
     ax.invert_yaxis()
     shown = sorted({s.kind for s in spans if kinds is None or s.kind in kinds})
-    ax.legend(handles=[Patch(color=KIND_COLORS[k], label=k) for k in shown], loc="upper right", fontsize=8)
+    names = labels or {}
+    ax.legend(handles=[Patch(color=KIND_COLORS[k], label=names.get(k, k)) for k in shown], loc="upper right",
+              fontsize=8)
     if title:
         ax.set_title(title)
     return ax

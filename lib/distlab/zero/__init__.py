@@ -5,14 +5,17 @@ gradients, fp32 master weights and two moments). ZeRO (Rajbhandari et al. 2020) 
 them over the N data-parallel ranks, one kind more per stage, with the formulas of
 :func:`distlab.memory.bytes_per_param`:
 
-=========  =====================================  =================  ==========================
-stage      sharded                                bytes/param/rank   traffic per step vs DDP
-=========  =====================================  =================  ==========================
-DDP        nothing                                16                 1 (one all-reduce)
+=========  =====================================  =================  ==================================
+stage      sharded                                bytes/param/rank   traffic per step vs DDP, k micro-b.
+=========  =====================================  =================  ==================================
+DDP        nothing                                16                 1 (one all-reduce per step)
 ZeRO-1     optimizer state                        4 + 12/N           1 (reduce-scatter + all-gather)
-ZeRO-2     + gradients                            2 + 14/N           1
-ZeRO-3     + parameters (FSDP)                    16/N               1.5 (2 all-gathers + reduce-scatter)
-=========  =====================================  =================  ==========================
+ZeRO-2     + gradients                            2 + 14/N           (k + 1)/2 (k reduce-scatters)
+ZeRO-3     + parameters (FSDP)                    16/N               1.5·k (2 all-gathers + 1 r-s each)
+=========  =====================================  =================  ==================================
+
+With gradient accumulation (k micro-batches per step) DDP and ZeRO-1 keep the full gradient and
+reduce once; ZeRO-2/3 keep only a shard, so every micro-batch's gradients are reduce-scattered.
 
 * :mod:`~distlab.zero.flat` — flat padded buffers (:class:`FlatParam`), the device mesh
   (:class:`Axis`, :func:`mesh_axes`: DDP, ZeRO and HSDP as one code path) and their collectives;
@@ -36,7 +39,17 @@ from distlab.zero.flat import (
     mesh_axes,
     reduce_scatter_mean,
 )
-from distlab.zero.fsdp import FSDPUnit, ZeRO3, assign_params, checkpoint_module, plan_units, reshard, unshard
+from distlab.zero.fsdp import (
+    FSDPUnit,
+    ZeRO3,
+    assign_params,
+    attention_core,
+    checkpoint_module,
+    plan_units,
+    reshard,
+    unfused_attention,
+    unshard,
+)
 from distlab.zero.optim import ShardedOptimizer, mixed_precision_step
 from distlab.zero.train import (
     STAGES,
@@ -53,7 +66,7 @@ from distlab.zero.train import (
     train_worker,
     validate,
 )
-from distlab.zero.zero2 import ZeRO2, reduce_scatter_grads
+from distlab.zero.zero2 import ZeRO2, reduce_accumulating, reduce_scatter_grads
 
 __all__ = [
     "Axis", "FlatLayout", "FlatParam", "alloc_storage", "free_storage",
@@ -61,4 +74,5 @@ __all__ = [
     "plan_units", "reshard", "unshard", "ShardedOptimizer", "mixed_precision_step", "STAGES", "WRAP_POLICIES",
     "comm_per_step", "comm_snapshot", "compute_dtype", "full_state_dict", "make_engine", "peak_memory",
     "state_bytes", "train", "train_worker", "validate", "ZeRO2", "reduce_scatter_grads", "run_exercise",
+    "attention_core", "unfused_attention", "reduce_accumulating",
 ]

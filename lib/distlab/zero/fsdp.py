@@ -38,9 +38,10 @@ from distlab.data_parallel import broadcast_parameters
 from distlab.runtime.timeline import span
 from distlab.zero.flat import Axis, FlatParam, alloc_storage, free_storage, gather_flat
 from distlab.zero.optim import ShardedOptimizer
-from distlab.zero.zero2 import queue_after_backward, reduce_scatter_grads
+from distlab.zero.zero2 import queue_after_backward, reduce_accumulating, reduce_scatter_grads
 
-__all__ = ["plan_units", "assign_params", "FSDPUnit", "ZeRO3", "unshard", "reshard", "checkpoint_module"]
+__all__ = ["plan_units", "assign_params", "FSDPUnit", "ZeRO3", "unshard", "reshard", "checkpoint_module",
+           "attention_core", "unfused_attention"]
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
@@ -279,7 +280,7 @@ class ZeRO3(nn.Module):
             unit.trace = None
         for flat in unit.flats:
             if flat.requires_grad:
-                self.reduce_fn(flat)
+                reduce_accumulating(self.reduce_fn, flat)
         unit.reduced = True
         self._reshard(unit)
 
@@ -309,3 +310,35 @@ def checkpoint_module(module: nn.Module) -> nn.Module:
 
     module.forward = checkpointed
     return module
+
+
+def attention_core(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Causal ``softmax(QKᵀ/√d)·V`` written out, as an unfused kernel runs it: the s×s scores and their
+    softmax are tensors autograd keeps — the ``5·a·s²·b`` of :func:`distlab.memory.activation_bytes_per_layer`."""
+    t = q.shape[-2]
+    scores = (q @ k.transpose(-2, -1)) * q.shape[-1] ** -0.5
+    causal = torch.ones(t, t, dtype=torch.bool, device=q.device).tril()
+    return scores.masked_fill(~causal, float("-inf")).softmax(dim=-1) @ v
+
+
+def unfused_attention(attn: nn.Module, recompute: bool = False) -> nn.Module:
+    """Make a :class:`~distlab.model.CausalSelfAttention` run :func:`attention_core` instead of the fused
+    ``scaled_dot_product_attention``; ``recompute=True`` checkpoints only that core: **selective
+    recomputation** (Korthikanti et al. 2022) — the projections' inputs stay saved, the scores are
+    recomputed in backward. Same module, same parameters (the layer Megatron-LM ran before FlashAttention).
+    """
+
+    def forward(x: torch.Tensor) -> torch.Tensor:
+        b, t, _ = x.shape
+        qkv = attn.qkv(x)
+        width = qkv.shape[-1] // 3
+        q, k, v = (z.view(b, t, width // attn.head_dim, attn.head_dim).transpose(1, 2)
+                   for z in qkv.split(width, dim=-1))
+        if recompute and torch.is_grad_enabled():
+            y = checkpoint(attention_core, q, k, v, use_reentrant=False)
+        else:
+            y = attention_core(q, k, v)
+        return attn.proj(y.transpose(1, 2).contiguous().view(b, t, width))
+
+    attn.forward = forward
+    return attn

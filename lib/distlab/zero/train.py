@@ -62,7 +62,7 @@ def compute_dtype(device: torch.device) -> tuple[torch.dtype, str]:
 
 def validate(world_size: int, stage: int = 3, impl: str = "scratch", cfg: GPTConfig | None = None,
              batch_size: int = 8, wrap: str = "block", shard_size: int | None = None, dtype: str | None = None,
-             model: str = "gpt", **_) -> None:
+             model: str = "gpt", micro_batches: int = 1, **_) -> None:
     """Raise a one-line ``ValueError`` for a run that cannot work; call it before launching."""
     if stage not in STAGES:
         raise ValueError(f"stage={stage!r}: expected 0 (DDP), 1, 2 or 3 (ZeRO)")
@@ -75,6 +75,11 @@ def validate(world_size: int, stage: int = 3, impl: str = "scratch", cfg: GPTCon
     if batch_size % world_size:
         raise ValueError(f"global batch {batch_size} is not divisible by world_size={world_size}: every rank "
                          f"needs an equal slice for the averaged gradient to be the full-batch gradient")
+    if isinstance(micro_batches, bool) or not isinstance(micro_batches, int) or micro_batches < 1:
+        raise ValueError(f"micro_batches={micro_batches!r} must be a positive integer")
+    if batch_size % (world_size * micro_batches):
+        raise ValueError(f"global batch {batch_size} is not divisible by world_size·micro_batches = "
+                         f"{world_size}·{micro_batches}: every micro-batch needs the same number of rows")
     if shard_size is not None:
         check_shard_size(world_size, shard_size)
         if stage == 0:
@@ -257,17 +262,21 @@ def train_worker(stage: int = 3, impl: str = "scratch", cfg: GPTConfig | None = 
                  checkpointing: bool = False, bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, model: str = "gpt",
                  warmup: int = 0, return_state: bool = True, measure_state: bool = False, measure_peak: bool = False,
                  trace: bool = False, sharded_optimizer: Callable | None = None, reduce_fn: Callable | None = None,
-                 unshard_fn: Callable | None = None, reshard_fn: Callable | None = None) -> dict:
+                 unshard_fn: Callable | None = None, reshard_fn: Callable | None = None,
+                 micro_batches: int = 1) -> dict:
     """Train on this rank (inside ``distlab.launch``/``Ranks.run`` or torchrun) and report.
 
-    ``batch_size`` is the global batch, split over the ranks. From-scratch stages start each
-    rank from a different seed (the initial broadcast must happen); PyTorch's FSDP2 expects
-    equal initial weights, so it gets rank 0's seed everywhere. ``dtype="bf16"``: mixed
-    precision. ``measure_state``: bytes held after the last step's optimizer step (before
+    ``batch_size`` is the global batch, split over the ranks; ``micro_batches`` > 1 splits each
+    rank's share into that many forward/backward passes per optimizer step (gradient accumulation,
+    the loss scaled by 1/k): DDP and ZeRO-1 accumulate full gradients and communicate once per
+    step, ZeRO-2/3 reduce-scatter every micro-batch's gradients (and ZeRO-3 gathers per micro-batch).
+    From-scratch stages start each rank from a different seed (the initial broadcast must happen);
+    PyTorch's FSDP2 expects equal initial weights, so it gets rank 0's seed everywhere.
+    ``dtype="bf16"``: mixed precision. ``measure_state``: bytes held after the last step's optimizer step (before
     ``zero_grad``); ``measure_peak``: peak memory of one more, untimed step. ``comm``: traffic per timed step.
     """
     _require_process_group()
-    validate(dist.get_world_size(), stage, impl, cfg, batch_size, wrap, shard_size, dtype, model)
+    validate(dist.get_world_size(), stage, impl, cfg, batch_size, wrap, shard_size, dtype, model, micro_batches)
     cfg = cfg or GPTConfig()
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = rank_device()
@@ -288,22 +297,25 @@ def train_worker(stage: int = 3, impl: str = "scratch", cfg: GPTConfig | None = 
     before = after = comm_snapshot()
     total = warmup + steps + int(measure_peak)  # the peak is measured in one extra, untimed step
     for step in range(total):
-        (x, y), = local_batches(cfg, batch_size, step, rank, world, 1, data_seed)
-        x, y = x.to(dev), y.to(dev)
+        micro = [(x.to(dev), y.to(dev)) for x, y in local_batches(cfg, batch_size, step, rank, world,
+                                                                  micro_batches, data_seed)]
         last_timed = step == warmup + steps - 1
 
         def one_step():
             nonlocal held
-            with span("forward"):
-                _, loss = net(x, y)
-            with span("backward"):
-                loss.backward()
+            total_loss = 0.0
+            for x, y in micro:
+                with span("forward"):
+                    _, loss = net(x, y)
+                with span("backward"):
+                    (loss / len(micro)).backward()
+                total_loss += loss.item() / len(micro)
             with span("optimizer"):
                 opt.step()
             if last_timed and measure_state:
                 held = state_bytes(module, opt)
             opt.zero_grad(set_to_none=True)
-            losses.append(loss.item())
+            losses.append(total_loss)
 
         dist.barrier()
         start = time.perf_counter()
@@ -333,10 +345,11 @@ def train(steps: int = 20, stage: int = 3, impl: str = "scratch", batch_size: in
           d_model: int = 128, n_head: int = 4, vocab_size: int = 256, seq_len: int = 64, dtype: str | None = None,
           optimizer: str = "adamw", lr: float = 1e-3, wrap: str = "block", shard_size: int | None = None,
           prefetch: bool = True, checkpointing: bool = False, warmup: int = 2, seed: int = 0,
-          measure_peak: bool = False) -> dict:
+          measure_peak: bool = False, micro_batches: int = 1) -> dict:
     """Train the lab's GPT with one stage; the entry point for torchrun.
 
-    ``batch_size`` is per rank (the global batch is ``batch_size · world_size``). Returns this
+    ``batch_size`` is per rank (the global batch is ``batch_size · world_size``), run as ``micro_batches``
+    forward/backward passes per step (gradient accumulation). Returns this
     rank's summary: losses, median step time, tokens/s over all ranks, bytes held per rank,
     bytes moved per step by each collective, and (``measure_peak``) peak memory.
     """
@@ -348,7 +361,7 @@ def train(steps: int = 20, stage: int = 3, impl: str = "scratch", batch_size: in
                        seed=int(seed), optimizer=optimizer, lr=float(lr), dtype=dtype, wrap=wrap,
                        shard_size=shard_size, prefetch=bool(prefetch), checkpointing=bool(checkpointing),
                        warmup=int(warmup), return_state=False, measure_state=impl == "scratch",
-                       measure_peak=bool(measure_peak))
+                       measure_peak=bool(measure_peak), micro_batches=int(micro_batches))
     step_time = statistics.median(out["step_times"])
     return {
         "rank": out["rank"], "stage": STAGES[int(stage)], "impl": impl, "world_size": world,

@@ -25,7 +25,7 @@ from distlab.data_parallel import DEFAULT_BUCKET_CAP_BYTES, assign_buckets, broa
 from distlab.zero.flat import Axis, FlatParam, reduce_scatter_mean
 from distlab.zero.optim import ShardedOptimizer
 
-__all__ = ["ZeRO2", "reduce_scatter_grads", "queue_after_backward"]
+__all__ = ["ZeRO2", "reduce_scatter_grads", "reduce_accumulating", "queue_after_backward"]
 
 
 @torch.no_grad()
@@ -40,6 +40,20 @@ def reduce_scatter_grads(flat: FlatParam) -> None:
     flat.grad_shard = reduce_scatter_mean(grads, flat.shard_axis, flat.replicate_axis).to(flat.dtype)
     for p in flat.params:
         p.grad = None
+
+
+def reduce_accumulating(reduce_fn: Callable[[FlatParam], None], flat: FlatParam) -> None:
+    """``reduce_fn(flat)``, adding the shard an earlier micro-batch of the same step left in ``flat.grad_shard``.
+
+    With gradient accumulation a ZeRO-2/3 rank cannot keep the full gradient between micro-batches
+    (that is the memory it saves), so every micro-batch's backward reduce-scatters and the shards
+    add up: k reduce-scatters per step where DDP and ZeRO-1 accumulate locally and reduce once.
+    ``reduce_fn`` (an exercise's answer) only ever sees one micro-batch and overwrites the shard.
+    """
+    earlier, flat.grad_shard = flat.grad_shard, None
+    reduce_fn(flat)
+    if earlier is not None and flat.grad_shard is not None:
+        flat.grad_shard = earlier + flat.grad_shard
 
 
 def queue_after_backward(callback: Callable[[], None]) -> None:
@@ -101,7 +115,7 @@ class ZeRO2(nn.Module):
             flat = self.buckets[self._next]
             if not flush and self._arrived[self._next] < len(flat.params):
                 return
-            self.reduce_fn(flat)
+            reduce_accumulating(self.reduce_fn, flat)
             self._next += 1
 
     def _finish_backward(self) -> None:

@@ -1,0 +1,280 @@
+"""Lab 04's checkers against the wrong answers students write (issue 27): each fails with a message that names
+the mistake, and the right answer passes. The distributed exercises (4.1–4.3) run on the shared warm gloo ranks;
+each wrong answer fails at its checker's first case, so the table stays cheap.
+
+Cases that a world size of 2 (N − 1 = 1) or equal tensors could hide: 4.1 dividing by N − 1 (the same as not
+dividing at N = 2; its first case has 4 ranks) and 4.2 summing without dividing (its first case is a bf16 bucket
+on 4 ranks whose gradients cancel, so no ratio of equal tensors hides it).
+"""
+
+import re
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch.utils.checkpoint import checkpoint
+
+import distlab
+from distlab.grading import lab04
+from distlab.zero import FlatLayout, alloc_storage, checkpoint_module, mixed_precision_step, reduce_scatter_grads
+from distlab.zero import reshard as right_reshard
+from distlab.zero import unshard as right_unshard
+
+pytestmark = [pytest.mark.timeout(240)]
+
+
+# ---------------------------------------------------------------- 4.1: the sharded optimizer and its mistakes
+
+class Sharded:
+    """The solution's ZeRO-1; subclasses change one piece."""
+
+    def __init__(self, params, optimizer_class, **defaults):
+        self.world, self.rank = dist.get_world_size(), dist.get_rank()
+        self.optimizer_class, self.defaults, self.optim, self.flats = optimizer_class, defaults, None, []
+        groups = list(params)
+        for group in groups if isinstance(groups[0], dict) else [{"params": groups}]:
+            self.add_param_group(group)
+
+    def add_param_group(self, group):
+        params = [p for p in group["params"] if p.requires_grad]
+        layout = FlatLayout(params, self.world)
+        flat = layout.flatten([p.detach() for p in params])
+        for p, view in zip(params, layout.views(flat)):
+            p.data = view
+        shard = self.my_shard(layout, flat)
+        inner = dict({k: v for k, v in group.items() if k != "params"}, params=[shard])
+        if self.optim is None:
+            self.optim = self.optimizer_class([inner], **self.defaults)
+        else:
+            self.optim.add_param_group(inner)
+        self.flats.append((layout, flat, shard))
+
+    def my_shard(self, layout, flat):
+        return layout.shard(flat, self.rank)
+
+    def zero_grad(self, set_to_none=True):
+        for layout, _, shard in self.flats:
+            shard.grad = None
+            for p in layout.params:
+                p.grad = None
+
+    @torch.no_grad()
+    def step(self):
+        for layout, flat, shard in self.flats:
+            shard.grad = self.average(layout.flatten([p.grad for p in layout.params], dtype=torch.float32))
+        self.optim.step()
+        for layout, flat, shard in self.flats:
+            self.gather(flat, shard)
+
+    def average(self, grads):
+        shard = torch.empty(grads.numel() // self.world)
+        dist.reduce_scatter_tensor(shard, grads)
+        return shard / self.world
+
+    def gather(self, flat, shard):
+        dist.all_gather_into_tensor(flat, shard.clone())
+
+
+class Summed(Sharded):  # forgot to divide by the world size
+    def average(self, grads):
+        return super().average(grads) * self.world
+
+
+class DividedByNMinusOne(Sharded):  # at N = 2 the same as not dividing; at N = 4 off by 4/3
+    def average(self, grads):
+        return super().average(grads) * self.world / (self.world - 1)
+
+
+class AllReduced(Sharded):  # the full gradient everywhere, then the shard: 1.5× DDP's bytes with the gather
+    def average(self, grads):
+        dist.all_reduce(grads)
+        n = grads.numel() // self.world
+        return (grads / self.world)[self.rank * n:(self.rank + 1) * n]
+
+
+class NeverGathers(Sharded):  # each rank updates its shard and never shares it
+    def gather(self, flat, shard):
+        pass
+
+
+class UnshardedState(Sharded):  # every rank steps the whole buffer: DDP's memory
+    def my_shard(self, layout, flat):
+        return flat
+
+    def average(self, grads):
+        dist.all_reduce(grads)
+        return grads / self.world
+
+    def gather(self, flat, shard):
+        pass
+
+
+# ---------------------------------------------------------------- 4.2: reduce_scatter_grads and its mistakes
+
+def _shard_of(flat, dtype=torch.float32, op=dist.ReduceOp.SUM):
+    grads = flat.layout.flatten([p.grad for p in flat.params], dtype=dtype)
+    shard = torch.empty(flat.layout.shard_numel, dtype=dtype)
+    dist.reduce_scatter_tensor(shard, grads, op=op)
+    return shard
+
+
+@torch.no_grad()
+def reduced_in_bf16(flat):
+    flat.grad_shard = (_shard_of(flat, dtype=flat.dtype) / dist.get_world_size()).to(flat.dtype)
+    for p in flat.params:
+        p.grad = None
+
+
+@torch.no_grad()
+def keeps_full_gradients(flat):
+    flat.grad_shard = (_shard_of(flat) / dist.get_world_size()).to(flat.dtype)
+
+
+@torch.no_grad()
+def summed_not_averaged(flat):
+    flat.grad_shard = _shard_of(flat).to(flat.dtype)
+    for p in flat.params:
+        p.grad = None
+
+
+@torch.no_grad()
+def shard_kept_in_fp32(flat):
+    flat.grad_shard = _shard_of(flat) / dist.get_world_size()
+    for p in flat.params:
+        p.grad = None
+
+
+@torch.no_grad()
+def all_reduce_then_slice(flat):
+    grads = flat.layout.flatten([p.grad for p in flat.params], dtype=torch.float32)
+    dist.all_reduce(grads)
+    flat.grad_shard = flat.layout.shard(grads / dist.get_world_size(), dist.get_rank()).to(flat.dtype)
+    for p in flat.params:
+        p.grad = None
+
+
+# ---------------------------------------------------------------- 4.3: unshard / reshard and their mistakes
+
+def never_frees(flat):
+    pass
+
+
+def copies_only_its_own_shard(flat):  # no communication: the other ranks' slots stay stale
+    alloc_storage(flat.full)
+    flat.full.zero_()
+    flat.layout.shard(flat.full, dist.get_rank()).copy_(flat.local)
+
+
+# ---------------------------------------------------------------- 4.4: the mixed-precision step and its mistakes
+
+@torch.no_grad()
+def steps_the_bf16_copies(params, masters, optimizer):
+    for p in params:
+        p.sub_(1e-3 * p.grad)
+        p.grad = None
+
+
+@torch.no_grad()
+def never_copies_back(params, masters, optimizer):
+    for p, master in zip(params, masters):
+        master.grad = p.grad.float()
+    optimizer.step()
+    for p, master in zip(params, masters):
+        p.grad = master.grad = None
+
+
+@torch.no_grad()
+def copies_back_before_the_step(params, masters, optimizer):
+    for p, master in zip(params, masters):
+        master.grad = p.grad.float()
+        p.copy_(master)
+        p.grad = None
+    optimizer.step()
+
+
+@torch.no_grad()
+def keeps_the_gradients(params, masters, optimizer):
+    for p, master in zip(params, masters):
+        master.grad = p.grad.float()
+    optimizer.step()
+    for p, master in zip(params, masters):
+        p.copy_(master)
+
+
+# ---------------------------------------------------------------- 4.5: checkpointing and its mistakes
+
+def does_nothing(module):
+    return module
+
+
+def reentrant(module):
+    forward = module.forward
+    module.forward = lambda *args: checkpoint(forward, *args, use_reentrant=True)
+
+
+def calls_itself(module):  # the lambda looks module.forward up when it runs: it is the lambda itself
+    module.forward = lambda *args: checkpoint(module.forward, *args, use_reentrant=False)
+
+
+WRONG = [  # (exercise, the wrong answer, what the message must say)
+    ("4.1", (Summed,), r"by a factor of 4\.00: gradients summed but not divided by world size"),
+    ("4.1", (DividedByNMinusOne,), r"rank \d's .* differs from the reference .*by a factor of 1\.33"),
+    ("4.1", (AllReduced,), r"1\.50× what DDP's all-reduce sends .*reduce-scatter the gradients"),
+    ("4.1", (NeverGathers,), r"rank [123]'s .* differs from rank 0's .*all-gather the updated shards"),
+    ("4.1", (UnshardedState,), r"optimizer holds momentum for 100% of the parameters; with 4 ranks it should be 1/4"),
+    ("4.2", (reduced_in_bf16,), r"carried 2 bytes per element, so the gradients were summed in bf16"),
+    ("4.2", (keeps_full_gradients,), r"still holds 5 full gradient\(s\) .*set p\.grad = None"),
+    ("4.2", (summed_not_averaged,), r"off by \d+ bf16 ulps: average \(sum, then divide by the world size\)"),
+    ("4.2", (shard_kept_in_fp32,), r"grad_shard is float32; store it in the parameters' dtype"),
+    ("4.2", (all_reduce_then_slice,), r"sent 1\.50× what DDP's all-reduce sends .*one reduce-scatter per bucket"),
+    ("4.3", (right_unshard, never_frees), r"still holds .* bytes of gathered parameters .*reshard must free"),
+    ("4.3", (copies_only_its_own_shard, right_reshard), r"rank \d's .* differs from the reference"),
+    ("4.4", (steps_the_bf16_copies,), r"the master never moved: copy each p\.grad"),
+    ("4.4", (never_copies_back,), r"compute copy is not the master rounded to bf16 .*copy the masters back"),
+    ("4.4", (copies_back_before_the_step,), r"compute copy is not the master rounded to bf16"),
+    ("4.4", (keeps_the_gradients,), r"still holds its gradient after the step; clear it \(p\.grad = None\)"),
+    ("4.5", (does_nothing,), r"as many as without checkpointing"),
+    ("4.5", (reentrant,), r"does not require grad any more: reentrant checkpointing"),
+    ("4.5", (calls_itself,), r"raised RecursionError"),
+]
+
+RIGHT = {"4.1": (Sharded,), "4.2": (reduce_scatter_grads,), "4.3": (right_unshard, right_reshard),
+         "4.4": (mixed_precision_step,), "4.5": (checkpoint_module,)}
+
+
+@pytest.fixture(scope="module", autouse=True)
+def warm_ranks():
+    yield
+    distlab.shutdown()
+
+
+@pytest.mark.parametrize("exercise, wrong, message", WRONG, ids=[f"{e}-{w[-1].__name__}" for e, w, _ in WRONG])
+def test_wrong_answer_fails_naming_the_mistake(exercise, wrong, message):
+    result = distlab.check(exercise, *wrong, quiet=True)
+    assert result.status == "failed", f"{exercise} accepted {wrong[-1].__name__}: {result.detail}"
+    assert re.search(message, result.detail), result.detail
+
+
+@pytest.mark.parametrize("exercise", sorted(RIGHT))
+def test_the_right_answer_passes(exercise):
+    result = distlab.check(exercise, *RIGHT[exercise], quiet=True)
+    assert result.status == "passed" and result.points == result.max_points, result.detail
+
+
+QUIZ_WRONG = [("Q4.1", 4 + 12 / 8), ("Q4.2", 2.0), ("Q4.3", "b"), ("Q4.4", 1120), ("Q4.5", "a"), ("Q4.6", "b"),
+              ("Q4.7", 4 / 3), ("Q4.8", 3)]
+
+
+@pytest.mark.parametrize("question, answer", QUIZ_WRONG)
+def test_quiz_wrong_answer_gets_a_hint_to_a_section_not_the_computation(question, answer):
+    """Q4.3's old key (one micro-batch per step) and Q4.7's (the 4/3 ceiling) fail now; every hint names the section
+    that answers it and holds no arithmetic that would give the answer away (issue 27 item 8)."""
+    result = distlab.check(question, answer, quiet=True)
+    assert result.status == "failed", result
+    hint = result.detail.split(": ", 1)[1]
+    assert re.search(r"'[^']+'", hint), f"{question}: the hint names no section: {hint}"
+    assert not re.search(r"\d\s*[×*/+−-]\s*\d|\d+e\d", hint), f"{question}: the hint computes: {hint}"
+
+
+def test_every_question_is_in_the_table():
+    assert sorted(q for q, _ in QUIZ_WRONG) == sorted(q.id for q in lab04.QUESTIONS)
