@@ -181,6 +181,17 @@ def test_cost_model_formulas():
     assert C.bus_bandwidth(4e6, 6e-3, 4) == pytest.approx(1e9)
 
 
+def test_nccl_tree_is_not_recursive_doubling():
+    """NCCL's double binary tree: a tree's latency, about the ring's bytes (2M against 2(N-1)/N M)."""
+    big, n = 14e9, 1024
+    ring, nccl_tree = C.ring_all_reduce_time(big, n, 0.0, 1e9), C.double_binary_tree_all_reduce_time(big, n, 0.0, 1e9)
+    assert nccl_tree / ring == pytest.approx(n / (n - 1))
+    assert C.double_binary_tree_all_reduce_time(0.0, n, 5e-6, 1e9) == pytest.approx(2 * 10 * 5e-6)
+    assert C.double_binary_tree_all_reduce_time(0.0, n, 5e-6, 1e9) < C.ring_all_reduce_time(0.0, n, 5e-6, 1e9) / 50
+    assert C.tree_all_reduce_time(big, n, 0.0, 1e9) / nccl_tree == pytest.approx(10 / 2)  # log2 N * M against 2M
+    assert C.all_reduce_cost("doubling", 1.0, 8) == C.all_reduce_cost("tree", 1.0, 8) == (3, 3.0)
+
+
 def test_fit_alpha_beta_recovers_the_model():
     sizes = [4 * 1024 * 8**i for i in range(5)]
     times = [C.ring_all_reduce_time(m, 4, alpha=20e-6, beta=2e9) for m in sizes]

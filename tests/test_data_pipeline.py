@@ -62,17 +62,20 @@ def test_every_record_is_kept_or_rejected_with_a_reason(sample, finished):
     # the awkward records of the generated sample all land in their bucket
     for reason in ("read:empty", "read:non_utf8", "read:truncated", "record_id:duplicate_record_id",
                    "url_dedup:url_duplicate", "near_dedup:near_duplicate", "language:other_language",
-                   "toxicity:classifier"):
+                   "toxicity:abuse", "toxicity:nsfw"):
         assert report.rejected[reason] >= 1, reason
     assert any(reason.startswith("quality:") for reason in report.rejected)
     assert any(reason.startswith("repetition:") for reason in report.rejected)
-    # every kept document is prose (perhaps with PII, perhaps a copy, perhaps an intact record of the cut
-    # file, perhaps NSFW spam the classifier missed), never spam, boilerplate or foreign
+    # every kept document is prose (perhaps with PII, perhaps an intact record of the cut file): never spam,
+    # boilerplate, foreign, toxic (abuse or NSFW spam) or a mirror copy
     kinds = Counter(sample.labels[row["id"]] for row in lineage)
-    assert set(kinds) <= {"good", "pii", "near_duplicate", "toxic", "truncated"}, kinds
+    assert set(kinds) <= {"good", "pii", "truncated"}, kinds
     kept_ids = {row["id"] for row in lineage}
     close_pairs = [(a, b) for a, b, value in sample.near_duplicates if value >= 0.9]
     assert close_pairs and not any(a in kept_ids and b in kept_ids for a, b in close_pairs)
+    # a cluster keeps its earliest-crawled member: the original, never the (later-crawled) mirror
+    near = [row for row in rejected if row["reason"] == "near_dedup:near_duplicate"]
+    assert near and all(sample.labels[row["id"]] == "near_duplicate" for row in near), near
     assert sum(row["pii"].get("email", 0) for row in lineage) >= 1
     # duplicates name the document they duplicate
     for row in rejected:

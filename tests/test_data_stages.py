@@ -3,11 +3,12 @@
 from __future__ import annotations
 
 import random
+from pathlib import Path
 
 import numpy as np
 import pytest
 
-from distlab.data.dedup import Deduper, candidate_probability, jaccard, shingles
+from distlab.data.dedup import Deduper, candidate_probability, flag_probability, jaccard, shingles
 from distlab.data.document import AccountingError, Document, Ledger, run_stages
 from distlab.data.language import LanguageFilter, detect_language, is_english
 from distlab.data.line_dedup import LineDedup, remove_repeated_lines
@@ -22,13 +23,26 @@ from distlab.data.samples import (
     foreign,
     near_duplicate_set,
     prose,
+    threshold_pairs,
     write_records,
 )
 from distlab.data.shards import EOT, encode_document, gpt2_encoding, read_shard, tokenize_to_bin
-from distlab.data.toxicity import DEFAULT_THRESHOLD, BlocklistScorer, ClassifierScorer, ToxicityFilter, evaluate
+from distlab.data.toxicity import (
+    DEFAULT_MIN_SHARE,
+    DEFAULT_THRESHOLD,
+    AdultContentRule,
+    BlocklistScorer,
+    ClassifierScorer,
+    PageScorer,
+    ToxicityFilter,
+    evaluate,
+    page_metrics,
+)
+from distlab.data.toxicity_sample import real_page_labels
 from distlab.data.urls import UrlDedup, normalize_url
 
 RNG = random.Random(7)
+SHARED_DATA = Path(__file__).resolve().parents[1].parent / "shared" / "data"  # the course machines' real pages
 GOOD = prose(random.Random(1), 200)
 
 
@@ -206,9 +220,13 @@ def test_toxicity_classifier_catches_abuse_a_blocklist_misses_and_spares_escorts
 
 def test_toxicity_filter_default_scorer_reasons_and_batching():
     ledger = Ledger()
-    docs = [Document(f"d{i}", GOOD) for i in range(70)] + [Document("bad", GOOD + "\nFuck off, you moron.")]
-    kept = list(ToxicityFilter()(iter(docs), ledger))  # more than one batch
+    abuse = "Fuck off, you moron. Nobody wants your garbage here, you pathetic idiot."
+    docs = [Document(f"d{i}", GOOD) for i in range(70)] + [Document("bad", GOOD + "\n" + abuse)]
+    kept = list(ToxicityFilter()(iter(docs), ledger))  # more than one batch; the default is the page scorer
     assert [d.id for d in kept] == [f"d{i}" for i in range(70)]
+    assert ledger.rejected == {"toxicity:abuse": 1} and docs[-1].meta["evidence"] == abuse
+    ledger = Ledger()
+    kept = list(ToxicityFilter(ClassifierScorer())(iter(docs), ledger))
     assert ledger.rejected == {"toxicity:classifier": 1} and docs[-1].meta["toxicity_score"] > 0.5
     blocklist = ToxicityFilter(BlocklistScorer())
     assert [d.id for d in blocklist([Document("x", "free porn here"), Document("y", "Essex")], ledger)] == ["y"]
@@ -216,6 +234,51 @@ def test_toxicity_filter_default_scorer_reasons_and_batching():
         [Document("r", "river"), Document("s", "sea")], ledger))
     assert [d.id for d in custom] == ["s"]
     assert ledger.rejected == {"toxicity:classifier": 2, "toxicity:blocklist": 1}
+
+
+def test_page_scorer_catches_nsfw_spam_and_one_comment_but_not_one_misfired_line():
+    scorer = PageScorer()
+    spam = GOOD + "\n\nClick here for free xxx videos."
+    comment = GOOD + "\n\nComment: shut up you stupid idiot, nobody cares about your garbage."
+    long_page = "\n\n".join([GOOD] * 12 + ["Go kill yourself."])  # one flagged line, well under 2% of the page
+    innocent = GOOD + "\n\nCampus police had to escort him out.\nThe museum has a nude statue."
+    verdicts = scorer.assess([spam, comment, long_page, innocent, GOOD],
+                             urls=["", "", "", "", "https://www.pornhub.example/"])
+    assert ClassifierScorer()(spam) < DEFAULT_THRESHOLD  # what the classifier alone misses
+    assert [v.reason for v in verdicts] == ["nsfw", "abuse", None, None, "nsfw"], verdicts
+    assert verdicts[1].share >= DEFAULT_MIN_SHARE > verdicts[2].share > 0 and verdicts[2].worst > 0.9
+    assert verdicts[0].evidence == "Click here for free xxx videos." and verdicts[4].evidence.startswith("https://")
+    rule = AdultContentRule()
+    assert rule.line_hit("Hot milfs want sex tonight") and not rule.line_hit("Our escort service takes patients")
+    assert rule.line_hit("naked webcam girls") and not rule.line_hit("Adam and Eve naked in the garden")
+    assert scorer(spam) == 1.0 and scorer(GOOD) == 0.0
+
+
+def test_page_metrics_say_none_where_a_rate_has_no_denominator():
+    m = page_metrics([True, False, True, False], [True, True, False, False])
+    assert (m["precision"], m["recall"], m["false_positive_rate"]) == (0.5, 0.5, 0.5)
+    clean_only = page_metrics([False, False], [False, False])
+    assert clean_only["recall"] is None and clean_only["precision"] is None and clean_only["false_positive_rate"] == 0
+
+
+def test_real_page_labels_are_well_formed_and_cover_the_shared_samples():
+    labels = real_page_labels()
+    assert len(labels) >= 50 and {label for label, _ in labels.values()} <= {"clean", "nsfw", "offensive"}
+    assert all(reason and len(reason) < 120 for _, reason in labels.values())
+    if SHARED_DATA.is_dir():  # the pages are only on the course machines
+        ids = {doc.id for path in sorted(SHARED_DATA.rglob("*.gz")) for doc in WarcReader()(path, Ledger())}
+        assert ids == set(labels)
+
+
+def test_threshold_pairs_straddle_the_threshold_and_the_flag_model_is_an_s_curve():
+    docs, truth = threshold_pairs(n_pairs=40, words=120, seed=1)
+    values = sorted(value for _, value, _ in truth.values())
+    assert len(docs) == 80 and values[0] < 0.7 and values[-1] > 0.95
+    assert sum(0.75 <= v <= 0.85 for v in values) >= 6
+    assert all(is_dup == (value >= 0.8) for _, value, is_dup in truth.values())
+    model = flag_probability([0.6, 0.8, 0.95], 16, 8, trials=4000)
+    assert model[0] < 0.05 and 0.3 < model[1] < 0.7 and model[2] > 0.95
+    assert np.all(model <= candidate_probability([0.6, 0.8, 0.95], 16, 8) + 0.02)
 
 
 def test_classifier_beats_the_blocklist_on_the_labelled_sample():

@@ -19,7 +19,9 @@ from distlab.data_parallel import (
     assign_buckets,
     broadcast_parameters,
     gradient_bytes,
+    pytorch_buckets,
     reference_run,
+    torch_ddp_buckets,
     train,
     train_step,
     train_worker,
@@ -83,6 +85,29 @@ def test_bucket_assignment_reverse_order_cap_and_ties():
     assert [len(b) for b in assign_buckets(params, 1)] == [1] * len(flat)
     with pytest.raises(ValueError, match="bucket_cap_bytes"):
         assign_buckets(params, 0)
+
+
+def test_pytorch_bucket_rule_caps_the_first_bucket_only():
+    params = [torch.nn.Parameter(torch.empty(2**16)) for _ in range(12)]  # 256 KiB each
+    assert [len(b) for b in pytorch_buckets(params, 2**20, first_bucket_cap_bytes=2**18)] == [1, 4, 4, 3]
+    assert [len(b) for b in pytorch_buckets(params, 2**20, first_bucket_cap_bytes=2**20)] == [4, 4, 4]
+    assert len(pytorch_buckets(params)) == 2  # 1 MiB first (dist._DEFAULT_FIRST_BUCKET_BYTES), then 25 MiB
+    with pytest.raises(ValueError, match="first_bucket_cap_bytes"):
+        pytorch_buckets(params, first_bucket_cap_bytes=0)
+
+
+def test_pytorch_buckets_are_the_buckets_torch_ddp_rebuilds(ranks2):
+    """The rule the lab states, against the installed torch's DDP: one bucket in the first iteration, then
+    the gradients' arrival order with a 1 MiB first bucket (default cap) or one cap throughout (cap set)."""
+    cfg = GPTConfig(vocab_size=256, seq_len=64, n_layer=4, n_head=4, d_model=128)  # 3.3 MB of gradients
+    model = GPT(cfg, seed=0)
+    by_name, names = dict(model.named_parameters()), {id(p): n for n, p in model.named_parameters()}
+    for options, first_cap in (({}, dist._DEFAULT_FIRST_BUCKET_BYTES), ({"bucket_cap_mb": 0.5}, 2**19)):
+        real = ranks2.run(torch_ddp_buckets, kwargs=dict(cfg=cfg, **options), show_output=False)[0]
+        assert real["first_bucket_cap_bytes"] == first_cap and len(real["launched"][0]) == 1, options
+        rebuilt = [bucket_names for bucket_names, _ in real["launched"][1]]
+        rule = pytorch_buckets([by_name[n] for n in real["arrival"]], real["bucket_cap_bytes"], first_cap)
+        assert [[names[id(p)] for p in b] for b in rule] == rebuilt and len(rebuilt) > 1, options
 
 
 def test_bucket_views_share_the_flat_buffer():

@@ -1,4 +1,4 @@
-"""Collectives from first principles: ring and tree all-reduce, ring all-gather, built from sends and receives.
+"""Collectives from first principles: ring and recursive-doubling all-reduce, ring all-gather, from sends and receives.
 
 Labs 00 and 02 teach with these functions; the tests, the checkers and
 ``benchmarks/bench_ring.py`` use them as the one reference.
@@ -20,8 +20,11 @@ and, with a per-message latency alpha and a link bandwidth beta, takes
 The ring is bandwidth-optimal but pays 2(N-1) latencies. Recursive doubling
 (:func:`tree_all_reduce`) exchanges the whole tensor with rank ``r xor 2^k`` in
 log2(N) rounds: log2(N) latencies, but log2(N) * M bytes per rank. Small
-messages are latency-bound and want the tree; large ones are bandwidth-bound and
-want the ring; :func:`crossover_bytes` is where the model says they cost the same.
+messages are latency-bound and want recursive doubling; large ones are
+bandwidth-bound and want the ring; :func:`crossover_bytes` is where the model says
+they cost the same. (The functions keep the historical name "tree" for recursive
+doubling. NCCL's *tree* algorithm is a different one, a pipelined double binary
+tree whose bandwidth term is about the ring's: :func:`double_binary_tree_all_reduce_time`.)
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ __all__ = [
     "hello_world", "chunk_sizes", "split_chunks", "ring_all_reduce", "ring_all_gather", "tree_all_reduce",
     "all_reduce_via_reduce_scatter", "builtin_all_reduce", "ring_all_reduce_bytes", "ring_all_gather_bytes",
     "tree_steps", "tree_all_reduce_bytes", "all_reduce_cost", "ring_all_reduce_time", "tree_all_reduce_time",
+    "double_binary_tree_all_reduce_time",
     "fit_alpha_beta", "crossover_bytes", "measured_crossover", "bus_bandwidth", "time_all_reduce",
     "bandwidth_sweep", "format_sweep", "human_bytes", "human_rate", "median_time", "first_mismatch", "KiB", "MiB",
     "SEGMENT_BYTES", "ring_peers",
@@ -377,14 +381,15 @@ def tree_all_reduce_bytes(message_bytes: float, world_size: int) -> float:
 def all_reduce_cost(algorithm: str, message_bytes, world_size: int):
     """(latencies, bytes) on the critical path of an all-reduce: the α–β model is latencies·α + bytes/β.
 
-    ring: 2(N-1) steps of M/N bytes each; tree (recursive doubling): :func:`tree_steps` rounds of M each.
+    ring: 2(N-1) steps of M/N bytes each; recursive doubling ("doubling", or its historical name "tree"):
+    :func:`tree_steps` rounds of M each.
     """
     n = world_size
     if algorithm == "ring":
         return 2 * (n - 1), ring_all_reduce_bytes(message_bytes, n)
-    if algorithm == "tree":
+    if algorithm in ("doubling", "tree"):
         return tree_steps(n), tree_steps(n) * message_bytes
-    raise ValueError(f"algorithm must be 'ring' or 'tree', got {algorithm!r}")
+    raise ValueError(f"algorithm must be 'ring' or 'doubling' ('tree'), got {algorithm!r}")
 
 
 def ring_all_reduce_time(message_bytes, world_size: int, alpha: float, beta: float):
@@ -397,6 +402,21 @@ def tree_all_reduce_time(message_bytes, world_size: int, alpha: float, beta: flo
     """The alpha-beta model of recursive doubling: t = steps * (alpha + M / beta), steps = log2(N) for N = 2^k."""
     latencies, nbytes = all_reduce_cost("tree", message_bytes, world_size)
     return latencies * alpha + nbytes / beta
+
+
+def double_binary_tree_all_reduce_time(message_bytes, world_size: int, alpha: float, beta: float):
+    """The α–β model of NCCL's tree all-reduce, a pipelined *double binary tree* (Sanders, Speck & Träff,
+    2009; NCCL 2.4), not recursive doubling: t ≈ 2·⌈log₂N⌉·α + 2·M/β.
+
+    Two binary trees each carry half of M: a reduce up the tree, then a broadcast down, cut into small
+    chunks that stream through (pipelined), so the latency is the trees' depth, up and down, not a round
+    per byte. Every rank is an inner node (two children) of one tree and a leaf of the other, so it
+    sends M/2 + M/2 up and 2·M/2 down: about 2·M per rank in all, close to the ring's 2(N-1)/N·M —
+    not recursive doubling's log₂N·M. (NCCL builds the trees across nodes and chains the GPUs within a
+    node; the pipeline's fill time, a few chunks per level, is left out.)"""
+    if world_size < 2:
+        return 0.0 * message_bytes
+    return 2 * math.ceil(math.log2(world_size)) * alpha + 2 * message_bytes / beta
 
 
 def fit_alpha_beta(message_bytes: Sequence[float], seconds: Sequence[float], world_size: int,

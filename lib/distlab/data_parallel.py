@@ -8,9 +8,11 @@ after ``optimizer.step()`` every rank holds the weights a single process would
 have after training on the full batch. Three ways to do the averaging:
 
 * :class:`NaiveDDP` — after backward, one blocking ``all_reduce`` per parameter.
-* :class:`BucketedDDP` — parameters grouped (in reverse registration order, the
-  order backward produces their gradients) into buckets of ``bucket_cap_bytes``;
-  one flat ``all_reduce`` per bucket: fewer, larger messages.
+* :class:`BucketedDDP` — parameters grouped (in reverse registration order, roughly
+  the order backward produces their gradients) into buckets of ``bucket_cap_bytes``;
+  one flat ``all_reduce`` per bucket: fewer, larger messages. That is the lab's
+  simplified rule; :func:`pytorch_buckets` is the one PyTorch's DDP rebuilds its
+  buckets with after the first iteration.
 * :class:`OverlappedDDP` — the buckets' all-reduces are launched asynchronously
   from gradient hooks as soon as a bucket is full, so communication runs while
   backward is still computing the earlier layers; ``finish_gradient_sync()``
@@ -48,7 +50,8 @@ from distlab.runtime.timeline import span
 
 __all__ = [
     "DEFAULT_BUCKET_CAP_BYTES", "broadcast_parameters", "allreduce_gradients", "gradient_params", "gradient_bytes",
-    "assign_buckets", "allreduce_buckets", "Bucket", "NaiveDDP", "BucketedDDP", "OverlappedDDP", "TorchDDP",
+    "assign_buckets", "pytorch_buckets", "gradient_arrival_order", "torch_ddp_buckets",
+    "allreduce_buckets", "Bucket", "NaiveDDP", "BucketedDDP", "OverlappedDDP", "TorchDDP",
     "VARIANTS", "make_ddp", "EdgeCaseGPT", "build_model", "local_batches", "global_batch", "train_step",
     "train_worker", "exposed_sync_times", "reference_run", "train",
 ]
@@ -101,35 +104,122 @@ def allreduce_gradients(module: nn.Module) -> None:
         p.grad.div_(world)
 
 
-def assign_buckets(params: Iterable[nn.Parameter], bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES
-                   ) -> list[list[nn.Parameter]]:
-    """Group ``params`` into buckets, PyTorch's rule: walk them in *reverse* order (backward
-    produces the last layers' gradients first), append each to the open bucket, and close
-    the bucket once it holds ``bucket_cap_bytes`` or more. Frozen parameters are skipped,
-    a tied weight appears once, and a change of dtype/device starts a new bucket."""
-    if isinstance(bucket_cap_bytes, bool) or not isinstance(bucket_cap_bytes, (int, float)) or bucket_cap_bytes <= 0:
-        raise ValueError(f"bucket_cap_bytes must be a positive number of bytes, got {bucket_cap_bytes!r}")
+def _fill_buckets(ordered: Sequence[nn.Parameter], caps: Sequence[int]) -> list[list[nn.Parameter]]:
+    """Walk ``ordered``, append each parameter to the open bucket and close it once it holds the
+    current cap or more; bucket ``i`` uses ``caps[min(i, len(caps) - 1)]``. A change of
+    dtype/device starts a new bucket (one flat buffer holds one dtype on one device)."""
+    buckets: list[list[nn.Parameter]] = []
+    current: list[nn.Parameter] = []
+    size = 0
+    for p in ordered:
+        if current and (p.dtype, p.device) != (current[0].dtype, current[0].device):
+            buckets.append(current)
+            current, size = [], 0
+        current.append(p)
+        size += p.numel() * p.element_size()
+        if size >= caps[min(len(buckets), len(caps) - 1)]:
+            buckets.append(current)
+            current, size = [], 0
+    if current:
+        buckets.append(current)
+    return buckets
+
+
+def _unique_grad_params(params: Iterable[nn.Parameter]) -> list[nn.Parameter]:
     seen: set[int] = set()
     ordered = []
     for p in params:
         if p.requires_grad and id(p) not in seen:
             seen.add(id(p))
             ordered.append(p)
-    buckets: list[list[nn.Parameter]] = []
-    current: list[nn.Parameter] = []
-    size = 0
-    for p in reversed(ordered):
-        if current and (p.dtype, p.device) != (current[0].dtype, current[0].device):
-            buckets.append(current)
-            current, size = [], 0
-        current.append(p)
-        size += p.numel() * p.element_size()
-        if size >= bucket_cap_bytes:
-            buckets.append(current)
-            current, size = [], 0
-    if current:
-        buckets.append(current)
-    return buckets
+    return ordered
+
+
+def _check_cap(name: str, value) -> None:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value <= 0:
+        raise ValueError(f"{name} must be a positive number of bytes, got {value!r}")
+
+
+def assign_buckets(params: Iterable[nn.Parameter], bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES
+                   ) -> list[list[nn.Parameter]]:
+    """The lab's simplified bucket rule: walk the parameters in *reverse* registration order
+    (roughly the order backward produces their gradients), append each to the open bucket, and
+    close the bucket once it holds ``bucket_cap_bytes`` or more. Frozen parameters are skipped,
+    a tied weight appears once, and a change of dtype/device starts a new bucket.
+
+    PyTorch's DDP differs in two ways (:func:`pytorch_buckets`): with its default cap the first
+    bucket is capped at ``dist._DEFAULT_FIRST_BUCKET_BYTES`` (1 MiB), and with
+    ``find_unused_parameters=False`` it reduces everything as one bucket in the first iteration,
+    then rebuilds the buckets in the order the gradients actually arrived."""
+    _check_cap("bucket_cap_bytes", bucket_cap_bytes)
+    return _fill_buckets(list(reversed(_unique_grad_params(params))), [bucket_cap_bytes])
+
+
+def pytorch_buckets(arrival_order: Iterable[nn.Parameter], bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES,
+                    first_bucket_cap_bytes: int | None = None) -> list[list[nn.Parameter]]:
+    """The buckets PyTorch's DDP rebuilds after its first iteration (``Reducer::rebuild_buckets``):
+    the parameters in the order their gradients arrived, the first bucket closed once it holds
+    ``first_bucket_cap_bytes`` or more (by default ``dist._DEFAULT_FIRST_BUCKET_BYTES``, 1 MiB, so
+    the first all-reduce starts early), every later one at ``bucket_cap_bytes``. DDP uses the small
+    first cap only when ``bucket_cap_mb`` is left at its default; pass the same value for both
+    otherwise."""
+    first = dist._DEFAULT_FIRST_BUCKET_BYTES if first_bucket_cap_bytes is None else first_bucket_cap_bytes
+    _check_cap("bucket_cap_bytes", bucket_cap_bytes)
+    _check_cap("first_bucket_cap_bytes", first)
+    return _fill_buckets(_unique_grad_params(arrival_order), [first, bucket_cap_bytes])
+
+
+def gradient_arrival_order(module: nn.Module, *inputs) -> list[nn.Parameter]:
+    """The order in which one backward of ``module(*inputs)`` (which returns ``(output, loss)``)
+    completes each parameter's gradient, read from ``register_post_accumulate_grad_hook`` — the
+    moment DDP's reducer marks a gradient ready. A tied weight is complete only once all its uses
+    have been differentiated."""
+    arrived: list[nn.Parameter] = []
+    hooks = [p.register_post_accumulate_grad_hook(arrived.append) for p in _unique_grad_params(module.parameters())]
+    try:
+        module(*inputs)[1].backward()
+    finally:
+        for h in hooks:
+            h.remove()
+    module.zero_grad(set_to_none=True)
+    return arrived
+
+
+def torch_ddp_buckets(cfg: GPTConfig | None = None, iterations: int = 2, batch_size: int = 2,
+                      **ddp_options) -> dict:
+    """Run PyTorch's own ``DistributedDataParallel`` on the lab's GPT for ``iterations`` backward
+    passes (call on every rank) and record, through a communication hook, the buckets its reducer
+    all-reduced in each: per iteration a list of ``(parameter names, bytes)`` in launch order.
+    Also returns the caps this torch uses, read from it, and the gradients' arrival order (measured in
+    a separate backward before DDP wraps the model)."""
+    _require_process_group()
+    cfg = cfg or GPTConfig()
+    dev = device()
+    model = GPT(cfg, seed=0).to(dev)
+    names = {id(p): n for n, p in model.named_parameters()}
+    x, y = synthetic_batch(cfg, batch_size, step=0)
+    arrival = [names[id(p)] for p in gradient_arrival_order(model, x.to(dev), y.to(dev))]
+    ddp = DistributedDataParallel(model, **ddp_options)
+    launched: list[list[tuple[list[str], int]]] = []
+
+    def record(state, bucket):  # called by the reducer once per bucket, in launch order
+        buffer = bucket.buffer()
+        launched[-1].append(([names[id(p)] for p in bucket.parameters()], buffer.numel() * buffer.element_size()))
+        work = dist.all_reduce(buffer, async_op=True)
+        return work.get_future().then(lambda fut: fut.value()[0].div_(dist.get_world_size()))
+
+    ddp.register_comm_hook(None, record)
+    for it in range(iterations):
+        launched.append([])
+        xi, yi = synthetic_batch(cfg, batch_size, step=it)
+        ddp(xi.to(dev), yi.to(dev))[1].backward()
+    config = getattr(ddp, "_bucket_config", None)  # torch >= 2.12 keeps the caps here
+    if config is not None:
+        first = config.first_bucket_bytes_cap
+    else:  # earlier torch: the 1 MiB first cap applies only when bucket_cap_mb is left at its default
+        first = dist._DEFAULT_FIRST_BUCKET_BYTES if "bucket_cap_mb" not in ddp_options else ddp.bucket_bytes_cap
+    return {"launched": launched, "arrival": arrival, "bucket_cap_bytes": ddp.bucket_bytes_cap,
+            "first_bucket_cap_bytes": first}
 
 
 @torch.no_grad()

@@ -171,7 +171,8 @@ def test_a_ring_or_a_builtin_is_no_tree():
     with pytest.raises(CheckFailed, match=r"rank 0 sent 2 messages on 2 ranks, but a latency-optimal all-reduce "
                                           r"needs only ceil\(log2 N\) = 1 .*rank r xor 2\^k"):
         check_tree_all_reduce(C.ring_all_reduce)
-    with pytest.raises(CheckFailed, match=r"your tree sent 0 bytes with send/isend \(it called dist.all_reduce\)"):
+    with pytest.raises(CheckFailed,
+                       match=r"your recursive doubling sent 0 bytes with send/isend \(it called dist.all_reduce\)"):
         check_tree_all_reduce(ring_with_builtin)
     # everyone-to-everyone: right sums, N-1 messages per rank, too many from N = 4 on
     with pytest.raises(CheckFailed, match=r"sent 3 messages on 4 ranks"):

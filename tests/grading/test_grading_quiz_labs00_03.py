@@ -1,12 +1,12 @@
 """The quizzes of labs 00-03: every answer is what distlab's own functions compute, a wrong answer fails with
 the hint that points back to the lab, and a blank one is 'not attempted'."""
 
-import math
-
 import pytest
+import torch
 
 from distlab import collectives as C
 from distlab import memory
+from distlab.data_parallel import pytorch_buckets
 from distlab.flops import mfu
 from distlab.grading import lab00, lab01, lab02, lab03
 from distlab.grading.quiz import CheckFailed
@@ -23,8 +23,9 @@ ANSWERS = {
     # lab 02: the cost models
     "Q2.1": C.ring_all_reduce_bytes(1e9, 8) / 1e9, "Q2.2": C.ring_all_reduce_time(7e9 * 2, 8, 0.0, 450e9) * 1e3,
     "Q2.3": "b", "Q2.4": C.crossover_bytes(4, 10e-6, 100e9) / 1e6, "Q2.5": C.tree_steps(1024), "Q2.6": "c",
-    # lab 03
-    "Q3.1": C.ring_all_reduce_bytes(7e9 * 2, 8) / 1e9, "Q3.2": 4, "Q3.3": math.ceil(30 / 25), "Q3.4": "b",
+    # lab 03; Q3.3: PyTorch's rebuilt buckets (1 MiB first, then 25 MiB) over 30 MB of 100 kB fp32 tensors
+    "Q3.1": C.ring_all_reduce_bytes(7e9 * 2, 8) / 1e9, "Q3.2": 4,
+    "Q3.3": len(pytorch_buckets([torch.nn.Parameter(torch.empty(25_000)) for _ in range(300)])), "Q3.4": "b",
     "Q3.5": mfu(6 * 7e9, 3000, 989e12), "Q3.6": "d",
 }
 QUIZ = {q.id: q for module in (lab00, lab01, lab02, lab03) for q in module.QUIZ}

@@ -22,13 +22,14 @@ from distlab.data.read import WarcReader, parse_wet
 from distlab.data.repetition import GopherRepetitionFilter, gopher_repetition_failure
 from distlab.data.report import RunReport
 from distlab.data.shards import ShardWriter, tokenize_to_bin
-from distlab.data.toxicity import BlocklistScorer, ClassifierScorer, ToxicityFilter
+from distlab.data.toxicity import BlocklistScorer, ClassifierScorer, PageScorer, ToxicityFilter
 from distlab.data.urls import UrlDedup, normalize_url
 
 __all__ = [
     "AccountingError", "BlocklistScorer", "ClassifierScorer", "Deduper", "Document", "GopherQualityFilter",
     "GopherRepetitionFilter", "ImportanceResampler", "LanguageFilter", "Ledger", "LineDedup", "NearDedup",
-    "NotARunDirectory", "PiiScrubber", "PipelineConfig", "PurgeRules", "RunDirectory", "RunReport", "ShardWriter",
+    "NotARunDirectory", "PageScorer", "PiiScrubber", "PipelineConfig", "PurgeRules", "RunDirectory", "RunReport",
+    "ShardWriter",
     "Stage", "ToxicityFilter", "UrlDedup", "WarcReader", "detect_language", "gopher_quality_failure",
     "gopher_repetition_failure", "is_english", "mix_sources", "normalize_url", "parse_wet", "passes_quality", "purge",
     "remove_repeated_lines", "run_pipeline", "run_stages", "scrub_pii", "shard_paths", "tokenize_to_bin",

@@ -40,8 +40,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--workers", type=int, default=1, help="processes over input files")
     run.add_argument("--languages", default="en", help="comma-separated lid.176 codes to keep")
     run.add_argument("--language-threshold", type=float, default=0.65)
-    run.add_argument("--toxicity", choices=SCORERS, default="classifier",
-                     help="toxicity scorer: a trained classifier (default) or a word blocklist")
+    run.add_argument("--toxicity", choices=SCORERS, default="page",
+                     help="toxicity scorer: page-level (default: the classifier's share of flagged lines plus an "
+                          "adult-term rule), the classifier's worst line, or a word blocklist")
     run.add_argument("--blocklist", help="file with one blocked word per line (C4's list, for example); "
                                          "implies --toxicity blocklist")
     run.add_argument("--dedup-threshold", type=float, default=0.8)

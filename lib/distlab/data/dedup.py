@@ -55,6 +55,24 @@ def candidate_probability(jaccard_value, bands: int, rows: int):
     return 1.0 - (1.0 - np.asarray(jaccard_value, dtype=float) ** rows) ** bands
 
 
+def flag_probability(jaccard_values, bands: int, rows: int, threshold: float = DEFAULT_THRESHOLD,
+                     trials: int = 20_000, seed: int = 0) -> np.ndarray:
+    """P(a pair at this Jaccard is flagged) by LSH *and* verification: each of the bands x rows
+    permutations agrees with probability J (independently); the pair is a candidate when a whole band
+    agrees, and is flagged when, besides, the fraction of agreeing permutations reaches ``threshold``.
+    Monte Carlo over ``trials`` simulated signatures per value (the two events share their coin flips,
+    so the product of their probabilities would be wrong)."""
+    rng = np.random.default_rng(seed)
+    values = np.atleast_1d(np.asarray(jaccard_values, dtype=float))
+    out = np.empty(len(values))
+    for i, value in enumerate(values):
+        agree = rng.random((trials, bands, rows)) < value
+        candidate = agree.all(axis=2).any(axis=1)
+        verified = agree.reshape(trials, -1).mean(axis=1) >= threshold
+        out[i] = (candidate & verified).mean()
+    return out
+
+
 class Deduper:
     """Streaming near-dedup: ``is_duplicate(id, text)`` is True for a near-copy of an
     earlier kept document, otherwise the document is remembered and False returned."""
@@ -92,7 +110,11 @@ class Deduper:
 
 
 class NearDedup(Stage):
-    """Drops near-duplicates of earlier documents; uses a precomputed signature when present."""
+    """Drops near-duplicates of earlier documents; uses a precomputed signature when present.
+
+    The first member of a cluster it sees is the one kept, so the caller chooses the keep rule by the
+    order it feeds: the pipeline feeds documents earliest-crawled first (a mirror copies a page after the
+    page is published), ties in input order."""
 
     name = "near_dedup"
 

@@ -65,7 +65,7 @@ class PipelineConfig:
     max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES
     quality: GopherQualityRules = GOPHER
     repetition: GopherRepetitionRules = GOPHER_REPETITION
-    toxicity: str = "classifier"  # or "blocklist" (C4-style, words in ``blocklist``)
+    toxicity: str = "page"  # page-level classifier share + adult terms; "classifier" (worst line) or "blocklist"
     blocklist: tuple = DEFAULT_BLOCKLIST
     toxicity_threshold: float = TOXICITY_THRESHOLD
     dedup_threshold: float = DEFAULT_THRESHOLD
@@ -102,7 +102,8 @@ class PipelineConfig:
         """Stages that look at one document at a time (run in parallel, per file)."""
         return [LanguageFilter(self.languages, self.language_threshold, self.language_max_chars),
                 GopherQualityFilter(self.quality), GopherRepetitionFilter(self.repetition),
-                ToxicityFilter(make_scorer(self.toxicity, self.blocklist), self.toxicity_threshold), PiiScrubber()]
+                ToxicityFilter(make_scorer(self.toxicity, self.blocklist, self.toxicity_threshold),
+                               self.toxicity_threshold), PiiScrubber()]
 
     def deduper(self) -> Deduper:
         return Deduper(self.dedup_threshold, self.num_perm, self.bands, self.rows)
@@ -233,7 +234,12 @@ def _run_phase_two(paths: list[Path], work_root: Path, run: RunDirectory, config
     manifest = run.manifest() or {}
     rules = PurgeRules.from_json(manifest.get("purges"))
     document_dedup = [RecordIdDedup(), UrlDedup(), NearDedup(config.deduper())]
-    distinct = list(run_stages(_stored_documents(paths, work_root), document_dedup, ledger))
+    exact = list(run_stages(_stored_documents(paths, work_root), document_dedup[:2], ledger))
+    # Near-dedup keeps the first member of a cluster it sees: show it the earliest-crawled first (a mirror copies
+    # a page after it is published; input order breaks ties), then put the survivors back in input order.
+    crawl_order = sorted(range(len(exact)), key=lambda i: (not exact[i].date, exact[i].date, i))
+    survivors = {id(doc) for doc in run_stages((exact[i] for i in crawl_order), document_dedup[2:], ledger)}
+    distinct = [doc for doc in exact if id(doc) in survivors]
     line_dedup = LineDedup(config.line_min_documents, config.quality.min_words)
     start = time.perf_counter()
     line_dedup.fit(distinct)

@@ -28,6 +28,9 @@ from distlab.data.dedup import jaccard, shingles
 
 GENERATED_NOTICE = "GENERATED SAMPLE (synthetic text written by distlab.data.samples, not real web pages)"
 SAMPLE_DATE = "2024-05-18T01:58:10Z"
+# Mirrors copy a page after it is published, so a crawl meets the copy later: the near-dedup stage keeps the
+# earliest-crawled member of a cluster, which is then the original.
+MIRROR_DATE = "2024-05-25T11:20:00Z"
 
 NOUNS = """river mountain village teacher library garden engineer harbour market bridge museum
 forest orchard student farmer painter kitchen window letter station railway valley island
@@ -208,6 +211,7 @@ class SampleRecord:
     record_id: str = ""
     raw: bytes = b""  # set for deliberately broken payloads
     extra: dict = field(default_factory=dict)
+    date: str = SAMPLE_DATE  # the WARC-Date the crawl records
 
 
 def _page_html(title: str, text: str) -> str:
@@ -227,7 +231,7 @@ def write_records(path: Path, records: list[SampleRecord], kind: str = "wet") ->
         info.rec_headers.replace_header("WARC-Record-ID", f"<urn:uuid:{uuid.uuid5(uuid.NAMESPACE_URL, path.name)}>")
         writer.write_record(info)
         for record in records:
-            headers = {"WARC-Record-ID": record.record_id, "WARC-Date": SAMPLE_DATE}
+            headers = {"WARC-Record-ID": record.record_id, "WARC-Date": record.date}
             if kind == "wet":
                 payload = record.raw or record.text.encode("utf-8")
                 warc = writer.create_warc_record(record.url, "conversion", payload=io.BytesIO(payload),
@@ -287,7 +291,7 @@ def generate_sample(directory, seed: int = 0, docs_per_file: int = 60, n_files: 
             original = rng.choice(originals)
             copy = SampleRecord("near_duplicate", edit_words(rng, original.text, rng.choice([0.0, 0.01, 0.02])),
                                 f"https://mirror{rng.randrange(9)}.example.net/copy/{rng.getrandbits(32):x}",
-                                random_uuid(rng))
+                                random_uuid(rng), date=MIRROR_DATE)
             near_duplicates.append((original.record_id, copy.record_id,
                                     round(jaccard(shingles(original.text), shingles(copy.text)), 4)))
             records.insert(rng.randrange(len(records) + 1), copy)
@@ -367,6 +371,38 @@ def near_duplicate_set(n_pairs: int = 200, n_singletons: int = 200, seed: int = 
     mixed = pairs + [[single] for single in singles]
     rng.shuffle(mixed)
     return [doc for group in mixed for doc in group], truth
+
+
+def threshold_pairs(n_pairs: int = 320, low: float = 0.6, high: float = 1.0, threshold: float = 0.8,
+                    seed: int = 0, words: int = 300):
+    """Pairs whose exact shingle Jaccard is spread evenly over [low, high], so that many sit right at the
+    threshold: the hard part of near-dedup, which :func:`near_duplicate_set` leaves out on purpose.
+
+    Pair k aims at J = low + (k + 1/2)(high - low)/n_pairs (within 0.01 where a copy can reach it).
+    Returns ``(docs, truth)``
+    as :func:`near_duplicate_set` does, a copy being a true duplicate when its Jaccard is >= ``threshold``."""
+    rng = random.Random(seed)
+    docs, truth = [], {}
+    step = (high - low) / n_pairs
+    for number in range(n_pairs):
+        target = low + (number + 0.5) * step
+        original = prose(rng, words)
+        base = shingles(original)
+        # each replaced word breaks about 5 shingles: J ~ (1 - 5f) / (1 + 5f) for a fraction f of words replaced
+        guess = (1 - target) / (5 * (1 + target)) * len(original.split(" "))
+        best = None
+        for _ in range(40):  # near J = 1 one replaced word is a step of ~0.03: take the closest of 40 tries
+            replaced = round(rng.uniform(0.7, 1.3) * guess)
+            copy = edit_words(rng, original, replaced / len(original.split(" "))) if replaced else original
+            value = jaccard(base, shingles(copy))
+            if best is None or abs(value - target) < abs(best[1] - target):
+                best = (copy, value)
+            if abs(value - target) <= 0.01:
+                break
+        copy, value = best
+        docs += [(f"pair{number}-a", original), (f"pair{number}-b", copy)]
+        truth[f"pair{number}-b"] = (f"pair{number}-a", round(value, 4), value >= threshold)
+    return docs, truth
 
 
 def dedup_scores(flagged, truth: dict) -> dict:

@@ -11,15 +11,26 @@ line by line and its score is its worst line: one abusive line in a long page is
 averaged away. The blocklist stays available (``BlocklistScorer``; C4's list via
 ``--blocklist FILE``), and any callable ``text -> score in [0, 1]`` can be passed.
 
+The pipeline's default is :class:`PageScorer`, a *document-level* decision: one line
+of a comment-trained model is a poor verdict on a whole page (it fires on a medical
+explainer's "cells are damaged"), and the same model misses NSFW spam ("Click here for
+free xxx videos." scores 0.01: its training data was abuse, not advertising). So a page
+is abusive only when the lines the classifier flags make up a share of its characters
+(``min_share``), and NSFW when a small adult-term rule fires (:class:`AdultContentRule`:
+one unambiguous term, two distinct suggestive words in a line, or an unambiguous term in
+the URL's host, as FineWeb's URL filter does).
+
 :func:`evaluate` measures a scorer on the lab's labelled sample
-(:mod:`distlab.data.toxicity_sample`).
+(:mod:`distlab.data.toxicity_sample`); :func:`page_metrics` scores page decisions against
+labels (the real pages the lab labelled by reading them are in ``real_page_labels.json``).
 """
 
 from __future__ import annotations
 
 import re
 import time
-from typing import Callable, Iterable, Iterator, Sequence
+from typing import Callable, Iterable, Iterator, NamedTuple, Sequence
+from urllib.parse import urlsplit
 
 import numpy as np
 
@@ -30,7 +41,17 @@ from distlab.data.toxicity_sample import SAMPLE
 DEFAULT_BLOCKLIST = ("porn", "porno", "xxx", "nsfw", "camgirl", "camgirls", "hentai", "milf",
                      "nude", "nudes", "escort", "escorts", "sexcam")
 DEFAULT_THRESHOLD = 0.5  # the classifier's calibrated decision point (its own predict() uses 0.5)
-SCORERS = ("classifier", "blocklist")
+# A page is abusive when flagged lines are at least this share of its characters: one abusive comment under an
+# article (the generated toxic pages: ~3%) is caught, one misfired sentence in a long clean page (~1%) is not.
+DEFAULT_MIN_SHARE = 0.02
+# Adult terms with (almost) no innocent use: one is enough. Words with innocent uses (escort, nude, sex education,
+# naked in a painting) count only when two distinct ones share a line.
+ADULT_TERMS = ("porn", "porno", "pornhub", "xxx", "nsfw", "hentai", "camgirl", "camgirls", "sexcam", "sexcams",
+               "milf", "milfs", "xvideos")
+SUGGESTIVE_WORDS = ("sex", "sexy", "nude", "nudes", "naked", "horny", "erotic", "escort", "escorts", "hardcore",
+                    "tits", "pussy", "cock", "slut", "sluts", "fuck", "fucked", "busty", "babes", "anal", "webcam",
+                    "uncensored", "hookup")
+SCORERS = ("page", "classifier", "blocklist")
 _BATCH = 64
 
 
@@ -94,8 +115,94 @@ class ClassifierScorer:
         return self.score_batch([text])[0]
 
 
-def make_scorer(kind: str = "classifier", blocklist: Iterable[str] | None = None):
-    """The scorer a pipeline configuration names: ``"classifier"`` or ``"blocklist"``."""
+class AdultContentRule:
+    """NSFW spam by words: a line with one unambiguous adult term or two distinct suggestive words,
+    or a URL whose host contains an unambiguous term (FineWeb's URL filter works on the URL alone)."""
+
+    name = "adult"
+
+    def __init__(self, terms: Iterable[str] = ADULT_TERMS, suggestive: Iterable[str] = SUGGESTIVE_WORDS):
+        self.terms = frozenset(t.lower() for t in terms)
+        self.suggestive = frozenset(w.lower() for w in suggestive)
+        self._word = re.compile(r"[a-z]+")
+
+    def line_hit(self, line: str) -> bool:
+        words = set(self._word.findall(line.lower()))
+        return bool(words & self.terms) or len(words & self.suggestive) >= 2
+
+    def url_hit(self, url: str) -> bool:
+        host = urlsplit(url).hostname or ""
+        return any(term in host for term in self.terms)
+
+    def evidence(self, text: str, url: str = "") -> str:
+        """The first line (or the URL) that makes the page NSFW; "" if none does."""
+        if url and self.url_hit(url):
+            return url
+        return next((line for line in text.split("\n") if line.strip() and self.line_hit(line)), "")
+
+    def __call__(self, text: str) -> float:
+        return 1.0 if self.evidence(text) else 0.0
+
+
+class Verdict(NamedTuple):
+    """A page-level decision: ``reason`` is None for a kept page, else "abuse" or "nsfw"."""
+
+    reason: str | None
+    share: float  # characters in lines the classifier flags / characters of the page
+    worst: float  # the worst line's classifier score (what the line-level rule would compare with 0.5)
+    evidence: str  # the line (or URL) that decided
+
+
+class PageScorer:
+    """Document-level toxicity: abuse when flagged lines (classifier >= ``line_threshold``) are at least
+    ``min_share`` of the page's characters; NSFW when :class:`AdultContentRule` fires."""
+
+    name = "page"
+
+    def __init__(self, line_threshold: float = DEFAULT_THRESHOLD, min_share: float = DEFAULT_MIN_SHARE,
+                 classifier: ClassifierScorer | None = None, adult: AdultContentRule | None = None):
+        self.line_threshold, self.min_share = line_threshold, min_share
+        self.classifier = classifier if classifier is not None else ClassifierScorer()
+        self.adult = adult if adult is not None else AdultContentRule()
+
+    def assess(self, texts: Sequence[str], urls: Sequence[str] | None = None) -> list[Verdict]:
+        """One verdict per text, every line of the batch scored in one classifier call."""
+        urls = [""] * len(texts) if urls is None else urls
+        lines, owners = [], []
+        for number, text in enumerate(texts):
+            for line in text.split("\n"):
+                if line.strip():
+                    lines.append(line)
+                    owners.append(number)
+        flagged_chars, total_chars = [0] * len(texts), [0] * len(texts)
+        worst = [(0.0, "")] * len(texts)
+        for owner, score, line in zip(owners, self.classifier.line_scores(lines).tolist(), lines):
+            total_chars[owner] += len(line)
+            if score >= self.line_threshold:
+                flagged_chars[owner] += len(line)
+            if score > worst[owner][0]:
+                worst[owner] = (score, line)
+        verdicts = []
+        for number, (text, url) in enumerate(zip(texts, urls)):
+            share = flagged_chars[number] / max(total_chars[number], 1)
+            nsfw = self.adult.evidence(text, url)
+            if share >= self.min_share and share > 0:
+                verdicts.append(Verdict("abuse", share, worst[number][0], worst[number][1]))
+            elif nsfw:
+                verdicts.append(Verdict("nsfw", share, worst[number][0], nsfw))
+            else:
+                verdicts.append(Verdict(None, share, worst[number][0], ""))
+        return verdicts
+
+    def __call__(self, text: str) -> float:
+        return 0.0 if self.assess([text])[0].reason is None else 1.0
+
+
+def make_scorer(kind: str = "page", blocklist: Iterable[str] | None = None,
+                threshold: float = DEFAULT_THRESHOLD):
+    """The scorer a pipeline configuration names: ``"page"``, ``"classifier"`` or ``"blocklist"``."""
+    if kind == "page":
+        return PageScorer(line_threshold=threshold)
     if kind == "classifier":
         return ClassifierScorer()
     if kind == "blocklist":
@@ -106,15 +213,16 @@ def make_scorer(kind: str = "classifier", blocklist: Iterable[str] | None = None
 class ToxicityFilter(Stage):
     """Reject documents whose toxicity score reaches ``threshold``; the reason names the scorer.
 
-    A scorer with a ``worst_lines`` method is called on batches of documents (the
-    stream stays lazy: a batch is scored when it is full or the input ends), and the
-    line that decided a rejection is kept as its evidence."""
+    A scorer with a ``worst_lines`` method (or a page scorer's ``assess``) is called on
+    batches of documents (the stream stays lazy: a batch is scored when it is full or the
+    input ends), and the line that decided a rejection is kept as its evidence. A page
+    scorer decides itself; its reason is ``abuse`` or ``nsfw``."""
 
     name = "toxicity"
 
     def __init__(self, scorer: Callable[[str], float] | None = None, threshold: float = DEFAULT_THRESHOLD) -> None:
         super().__init__()
-        self.scorer = scorer if scorer is not None else ClassifierScorer()
+        self.scorer = scorer if scorer is not None else PageScorer(line_threshold=threshold)
         self.threshold = threshold
         self.reason = getattr(self.scorer, "name", "classifier")
 
@@ -129,8 +237,16 @@ class ToxicityFilter(Stage):
             return self.reason
         return doc
 
+    @staticmethod
+    def _page_decision(doc: Document, verdict: Verdict) -> Outcome:
+        if verdict.reason is None:
+            return doc
+        doc.meta["toxicity_share"] = round(verdict.share, 4)
+        doc.meta["evidence"] = verdict.evidence[:200]
+        return verdict.reason
+
     def __call__(self, docs: Iterable[Document], ledger: Ledger) -> Iterator[Document]:
-        if not hasattr(self.scorer, "worst_lines"):
+        if not hasattr(self.scorer, "worst_lines") and not hasattr(self.scorer, "assess"):
             yield from super().__call__(docs, ledger)
             return
         batch: list[Document] = []
@@ -145,8 +261,12 @@ class ToxicityFilter(Stage):
         if not batch:
             return
         start = time.perf_counter()
-        worst = self.scorer.worst_lines([doc.text for doc in batch])
-        outcomes = [self._decide(doc, score, line) for doc, (score, line) in zip(batch, worst)]
+        if hasattr(self.scorer, "assess"):
+            verdicts = self.scorer.assess([doc.text for doc in batch], [doc.url for doc in batch])
+            outcomes = [self._page_decision(doc, verdict) for doc, verdict in zip(batch, verdicts)]
+        else:
+            worst = self.scorer.worst_lines([doc.text for doc in batch])
+            outcomes = [self._decide(doc, score, line) for doc, (score, line) in zip(batch, worst)]
         self.stats.seconds += time.perf_counter() - start
         for doc, outcome in zip(batch, outcomes):
             self.stats.docs_in += 1
@@ -162,7 +282,10 @@ def evaluate(scorer: Callable[[str], float], sample=None, threshold: float = DEF
     and the sentences the scorer got wrong."""
     sample = SAMPLE if sample is None else sample
     texts = [text for _, text in sample]
-    scores = scorer.score_batch(texts) if hasattr(scorer, "score_batch") else [scorer(text) for text in texts]
+    if hasattr(scorer, "assess"):  # a page scorer decides itself; each sentence is a one-line page
+        scores = [0.0 if verdict.reason is None else 1.0 for verdict in scorer.assess(texts)]
+    else:
+        scores = scorer.score_batch(texts) if hasattr(scorer, "score_batch") else [scorer(text) for text in texts]
     flagged = [score >= threshold for score in scores]
     per_label: dict = {}
     for (label, _), hit in zip(sample, flagged):
@@ -175,3 +298,16 @@ def evaluate(scorer: Callable[[str], float], sample=None, threshold: float = DEF
             "precision": true_positives / max(sum(flagged), 1), "recall": true_positives / max(sum(toxic), 1),
             "wrong": [(label, text, round(float(score), 3))
                       for (label, text), score, hit in zip(sample, scores, flagged) if hit != (label != "clean")]}
+
+
+def page_metrics(flagged: Sequence[bool], toxic: Sequence[bool]) -> dict:
+    """Precision, recall and false-positive rate of page decisions against labels; a rate whose
+    denominator is zero (nothing flagged, no toxic page, no clean page) is None, not a made-up 0 or 1."""
+    pairs = list(zip(flagged, toxic))
+    true_pos = sum(f and t for f, t in pairs)
+    false_pos = sum(f and not t for f, t in pairs)
+    positives, negatives, hits = sum(t for _, t in pairs), sum(not t for _, t in pairs), sum(f for f, _ in pairs)
+    return {"pages": len(pairs), "toxic": positives, "flagged": hits, "true_positives": true_pos,
+            "false_positives": false_pos,
+            "precision": true_pos / hits if hits else None, "recall": true_pos / positives if positives else None,
+            "false_positive_rate": false_pos / negatives if negatives else None}

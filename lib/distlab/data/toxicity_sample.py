@@ -11,9 +11,19 @@ Three kinds of line, as a web-scale filter meets them:
 The sentences are deliberately short and unambiguous so that a disagreement is the
 scorer's, not the label's. Scores on it are a sanity check of a filter, not a
 benchmark: a real evaluation uses thousands of annotated pages (Jigsaw, RealToxicityPrompts).
+
+Whole real pages are judged against ``real_page_labels.json`` (:func:`real_page_labels`):
+every page the reader keeps from ``../shared/data``, labelled by reading it. It lives beside
+this module, not in ``tests/``, because the lab reads it; the pages themselves are only on
+the course machines, so the lab and the tests use it only where that folder exists.
 """
 
 from __future__ import annotations
+
+import json
+from pathlib import Path
+
+REAL_PAGE_LABELS = Path(__file__).with_name("real_page_labels.json")
 
 OFFENSIVE = (
     "You are a fucking idiot and everyone knows it.",
@@ -127,3 +137,9 @@ CLEAN = (
 SAMPLE: tuple[tuple[str, str], ...] = tuple(
     [("offensive", text) for text in OFFENSIVE] + [("nsfw", text) for text in NSFW]
     + [("clean", text) for text in CLEAN])
+
+
+def real_page_labels(path: Path = REAL_PAGE_LABELS) -> dict[str, tuple[str, str]]:
+    """Record id -> (label, one-line reason) of the real pages labelled by reading them."""
+    pages = json.loads(Path(path).read_text(encoding="utf-8"))["pages"]
+    return {page["id"]: (page["label"], page["reason"]) for page in pages}

@@ -115,8 +115,10 @@ QUIZ = [
 ]
 
 EXERCISES = [
-    Exercise("1.1", "bytes per parameter under DDP and ZeRO-1/2/3", 2, check_bytes_per_param),
-    Exercise("1.2", "activation bytes of one transformer layer", 2, check_activation_bytes_per_layer),
+    Exercise("1.1", "bytes per parameter under DDP and ZeRO-1/2/3", 2, check_bytes_per_param,
+             references=("distlab.memory.bytes_per_param",)),
+    Exercise("1.2", "activation bytes of one transformer layer", 2, check_activation_bytes_per_layer,
+             references=("distlab.memory.activation_bytes_per_layer",)),
     Exercise("1.3", "activation bytes with and without checkpointing", 2, check_activation_bytes),
     Exercise("1.4", "per-rank training memory in GiB", 3, check_training_memory_gib),
     *QUIZ,

@@ -1,12 +1,12 @@
 """Lab 02 checkers: a ring all-reduce and a ring all-gather from point-to-point ops,
-all-reduce as reduce-scatter + all-gather, and a latency-optimal (tree) all-reduce; the quiz.
+all-reduce as reduce-scatter + all-gather, and a latency-optimal all-reduce (recursive doubling); the quiz.
 
 Each checker runs the student's function on real gloo ranks (world sizes 2, 3
 and 4, hidden random tensors whose sizes are often not divisible by the world
 size, float32 and float64), compares every rank's result with
 ``torch.distributed``'s built-in collective, and checks what the function sent:
 a ring must be built from ``send``/``isend`` and send 2(N-1)/N * M bytes per
-rank (all-reduce) or (N-1)/N * M (all-gather); a tree all-reduce must send at
+rank (all-reduce) or (N-1)/N * M (all-gather); a recursive-doubling all-reduce must send at
 most ceil(log2 N) messages per rank (the ring sends 2(N-1)).
 """
 
@@ -89,21 +89,41 @@ def _describe_case(n: int, shape, dtype) -> tuple[int, int, str]:
     return numel, element, f"world size {n}, {numel} {str(dtype).replace('torch.', '')} elements"
 
 
+def _all_reduce_mistake(mine: torch.Tensor, got: torch.Tensor, expected: torch.Tensor, n: int) -> str:
+    """Name the common all-reduce mistake the whole result shows (this rank's input is ``mine``), or ''."""
+    if not isinstance(got, torch.Tensor) or got.shape != expected.shape or got.dtype != expected.dtype:
+        return ""
+    close = dict(rtol=1e-4, atol=1e-6)
+    if torch.allclose(got, mine, **close):
+        return (": the result is this rank's own input, nothing was added: reduce into the tensor in place "
+                "(or return the result)")
+    if torch.allclose(got * n, expected, **close):
+        return f": that is the sum divided by {n}, the mean: an all-reduce sums (dividing is DDP's job, Lab 03)"
+    matching = torch.isclose(got.reshape(-1), expected.reshape(-1), **close)
+    if 0 < int(matching.sum()) < matching.numel():
+        return (f": {int(matching.sum())} of {matching.numel()} elements hold the sum and the rest do not: is a "
+                "phase cut short? After the reduce-scatter (N-1 steps) the all-gather must pass every finished "
+                "chunk around the ring (N-1 more)")
+    return ""
+
+
 def _check_all_reduce(student_fn, p2p: bool, tree: bool = False) -> int:
     raise_if_untouched(student_fn)
     rng = random.Random()
     cases = 0
-    what_fn = "your tree" if tree else "your ring" if p2p else "your all-reduce"
+    what_fn = "your recursive doubling" if tree else "your ring" if p2p else "your all-reduce"
     for n in WORLD_SIZES:
         with rank_group(n, what_fn) as ranks:
             for shape, dtype in _cases(rng, n):
-                run = run_job(ranks, _all_reduce_job, student_fn, shape, dtype, rng.randrange(10**6))
+                seed = rng.randrange(10**6)
+                run = run_job(ranks, _all_reduce_job, student_fn, shape, dtype, seed)
                 cases += 1
                 numel, element, what = _describe_case(n, shape, dtype)
                 if n > 2 and numel < n:
                     what += ", fewer elements than ranks"
                 for r, (got, expected, ops, sent) in enumerate(run):
-                    compare_tensor(r, expected, got, what)
+                    mistake = _all_reduce_mistake(random_tensor(shape, dtype, seed, r), got, expected, n)
+                    compare_tensor(r, expected, got, what, hint=lambda *_, words=mistake: words)
                 total = 0.0
                 for r, (got, expected, ops, sent) in enumerate(run):
                     if tree:
@@ -140,6 +160,15 @@ def _all_gather_job(student_fn, shape, dtype, seed):
     return value, expected, ops, sent
 
 
+def _misplaced_entry(src: int, got, expected: list[torch.Tensor]) -> str:
+    """When entry ``src`` holds another rank's tensor, say whose: the pieces were filed by step, not by source."""
+    for other, tensor in enumerate(expected):
+        if other != src and isinstance(got, torch.Tensor) and got.shape == tensor.shape and torch.equal(got, tensor):
+            return (f": entry {src} holds rank {other}'s tensor; entry i must be rank i's, so file each received "
+                    f"piece under the rank it started from, not under the step it arrived in")
+    return ""
+
+
 def check_ring_all_gather(student_fn) -> str:
     """``student_fn(tensor)`` returns a list whose entry i is rank i's tensor, from send/recv."""
     raise_if_untouched(student_fn)
@@ -159,7 +188,9 @@ def check_ring_all_gather(student_fn) -> str:
                         raise CheckFailed(f"rank {r} returned {kind}; return a list of {n} tensors, "
                                           f"entry i being rank i's tensor ({what})")
                     for src in range(n):
-                        compare_tensor(r, expected[src], got[src], f"entry {src}, {what}")
+                        compare_tensor(r, expected[src], got[src], f"entry {src}, {what}",
+                                       hint=lambda *_, src=src, got=got, expected=expected:
+                                       _misplaced_entry(src, got[src], expected))
                 for r, (got, expected, ops, sent) in enumerate(run):
                     _check_sent(r, n, sent, ring_all_gather_bytes(n * numel * element, n), 0, what, ops)
     return (f"matches dist.all_gather on {cases} random tensors, 2-4 ranks; "
@@ -184,10 +215,10 @@ def check_all_reduce_via_reduce_scatter(student_fn) -> str:
     return f"matches dist.all_reduce on {cases} random tensors, 2-4 ranks, with reduce-scatter + all-gather"
 
 
-# ---------------------------------------------------------------- 2.4 tree (recursive doubling) all-reduce
+# ---------------------------------------------------------------- 2.4 recursive-doubling all-reduce
 
 def _check_rounds(r: int, n: int, sent: float, ops: dict[str, int], what: str) -> None:
-    _require_p2p(n, sent, ops, what, algorithm="tree")
+    _require_p2p(n, sent, ops, what, algorithm="recursive doubling")
     messages = ops.get("send", 0) + ops.get("isend", 0)
     rounds = math.ceil(math.log2(n))
     if messages > rounds:
@@ -216,7 +247,7 @@ QUIZ = [
     quiz.choice("Q2.3", "the algorithm for a 4 KiB all-reduce on 1024 ranks", answer="b", options="abc",
                 hint="section 4: which term of the alpha-beta model dominates a small message, and how many "
                      "steps does each algorithm pay it?"),
-    quiz.number("Q2.4", "tree/ring crossover for N = 4, alpha = 10 us, beta = 100 GB/s (MB)", answer=8.0,
+    quiz.number("Q2.4", "recursive-doubling/ring crossover for N = 4, alpha = 10 us, beta = 100 GB/s (MB)", answer=8.0,
                 rel_tol=0.02, hint="section 4: M* = (S_ring - S_tree) alpha beta / (B_tree - B_ring), "
                                    "8 alpha beta for N = 4"),
     quiz.number("Q2.5", "sequential messages of recursive doubling on 1024 ranks", answer=10, rel_tol=0,
@@ -226,9 +257,13 @@ QUIZ = [
 ]
 
 EXERCISES = [
-    Exercise("2.1", "ring all-reduce from send/recv", 3, check_ring_all_reduce),
-    Exercise("2.2", "ring all-gather from send/recv", 2, check_ring_all_gather),
-    Exercise("2.3", "all-reduce = reduce-scatter + all-gather", 1, check_all_reduce_via_reduce_scatter),
-    Exercise("2.4", "tree all-reduce in log2(N) rounds", 2, check_tree_all_reduce),
+    Exercise("2.1", "ring all-reduce from send/recv", 3, check_ring_all_reduce,
+             references=("distlab.collectives.ring_all_reduce",)),
+    Exercise("2.2", "ring all-gather from send/recv", 2, check_ring_all_gather,
+             references=("distlab.collectives.ring_all_gather",)),
+    Exercise("2.3", "all-reduce = reduce-scatter + all-gather", 1, check_all_reduce_via_reduce_scatter,
+             references=("distlab.collectives.all_reduce_via_reduce_scatter",)),
+    Exercise("2.4", "recursive-doubling all-reduce in log2(N) rounds", 2, check_tree_all_reduce,
+             references=("distlab.collectives.tree_all_reduce",)),
     *QUIZ,
 ]

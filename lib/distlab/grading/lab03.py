@@ -317,7 +317,7 @@ def _check_bucket_assignment(assign_fn, rng: random.Random) -> int:
                 if count > 1:
                     raise CheckFailed(f"{where}: {name} is in the buckets {count} times: a tied weight is one "
                                       f"tensor and must be reduced once")
-            if flat != [p for b in expected for p in b]:
+            if [id(p) for p in flat] != [id(p) for b in expected for p in b]:  # `!=` on tensors is elementwise
                 first = names[id(expected[0][0])]
                 got_first = names.get(id(flat[0]), "?")
                 raise CheckFailed(f"{where}: the first bucket should start with {first} (the last registered "
@@ -430,8 +430,10 @@ QUIZ = [
                 rel_tol=0.01, hint="'What it costs: bytes on the wire': 2(N-1)/N x the gradient bytes"),
     quiz.number("Q3.2", "SGD update factor when gradients are summed, not averaged, over 4 ranks", answer=4,
                 rel_tol=0, hint="'Why averaging gradients is exact': the sum is N times the mean"),
-    quiz.number("Q3.3", "all-reduces per step with 25 MB buckets for 30 MB of gradients", answer=2, rel_tol=0,
-                hint="exercise 3.2: a bucket closes once it holds the cap or more"),
+    quiz.number("Q3.3", "all-reduces per step, after the first iteration, for 30 MB of gradients under PyTorch DDP's "
+                "default buckets", answer=3, rel_tol=0,
+                hint="'What PyTorch's DDP really does with buckets': which cap does the first bucket get, and "
+                     "which the others?"),
     quiz.choice("Q3.4", "all-reduce rounds per optimizer step with 4 micro-steps under no_sync", answer="b",
                 options="abc", hint="exercise 3.4: only the last micro-step's backward communicates"),
     quiz.number("Q3.5", "MFU of a 7B model at 3,000 tokens/s per H100 (989 TFLOP/s)", answer=0.127,
@@ -442,9 +444,12 @@ QUIZ = [
 ]
 
 EXERCISES = [
-    Exercise("3.1", "naive DDP: broadcast and average gradients", 3, check_naive_ddp),
-    Exercise("3.2", "gradient buckets: one flat all-reduce per bucket", 3, check_bucketed_ddp),
-    Exercise("3.3", "overlap all-reduce with backward from gradient hooks", 4, check_overlapped_ddp),
+    Exercise("3.1", "naive DDP: broadcast and average gradients", 3, check_naive_ddp,
+             references=("distlab.data_parallel.allreduce_gradients", "distlab.data_parallel.broadcast_parameters")),
+    Exercise("3.2", "gradient buckets: one flat all-reduce per bucket", 3, check_bucketed_ddp,
+             references=("distlab.data_parallel.allreduce_buckets", "distlab.data_parallel.assign_buckets")),
+    Exercise("3.3", "overlap all-reduce with backward from gradient hooks", 4, check_overlapped_ddp,
+             references=("distlab.data_parallel.OverlappedDDP",)),
     Exercise("3.4", "gradient accumulation with no_sync", 2, check_gradient_accumulation),
     *QUIZ,
 ]
