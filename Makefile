@@ -44,7 +44,7 @@ lab: install
 test: install browser-deps
 	$(PY) -m distlab labs --check
 	$(VENV)/bin/ruff check --quiet .
-	@SECONDS=0; $(PY) -m pytest -q tests; status=$$?; echo "make test: tests took $$SECONDS s"; exit $$status
+	@SECONDS=0; $(PY) -m pytest -q --durations=20 tests; status=$$?; echo "make test: tests took $$SECONDS s"; exit $$status
 	@SECONDS=0; $(PY) -m pytest -q --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout 600 \
 		-p no:cacheprovider solutions/; status=$$?; echo "make test: nbval took $$SECONDS s"; exit $$status
 

@@ -29,12 +29,16 @@ def ranks():
     group.close()
 
 
-def _all_reduce_on_wire(numel, reps):
+def _all_reduce_on_wire(numel, calls):
+    """The (sent, received) bytes of the call that sent fewest: a call can send more than its message on a busy
+    machine (counted alone, each between barriers), never less."""
     x = torch.ones(numel)
-    with wire.count() as on_wire:
-        for _ in range(reps):
+    counts = []
+    for _ in range(calls):
+        with wire.count() as on_wire:
             dist.all_reduce(x)
-    return on_wire.sent, on_wire.received
+        counts.append((on_wire.sent, on_wire.received))
+    return min(counts)
 
 
 def _send_on_wire(numel):
@@ -58,12 +62,11 @@ def test_a_point_to_point_send_is_its_payload_plus_a_header(ranks):
 
 @pytest.mark.parametrize("numel", [2**18, 2**20])
 def test_gloo_all_reduce_sends_the_ring_bytes(ranks, numel):
-    reps, n = 3, 4
+    calls, n = 3, 4
     model = 2 * (n - 1) / n * 4 * numel
-    for rank, (sent, received) in enumerate(ranks.run(_all_reduce_on_wire, args=(numel, reps), show_output=False)):
-        per_call = sent / reps
-        assert model <= per_call <= model * (1 + PAYLOAD_MARGIN) + HEADER_ALLOWANCE, (rank, per_call, model)
-        assert abs(received - sent) <= reps * HEADER_ALLOWANCE, (rank, sent, received)
+    for rank, (sent, received) in enumerate(ranks.run(_all_reduce_on_wire, args=(numel, calls), show_output=False)):
+        assert model <= sent <= model * (1 + PAYLOAD_MARGIN) + HEADER_ALLOWANCE, (rank, sent, model)
+        assert abs(received - sent) <= HEADER_ALLOWANCE, (rank, sent, received)
 
 
 def test_outside_a_gloo_group_nothing_is_claimed():

@@ -4,6 +4,7 @@ mistake written in, every other exercise left as its stub. Shared by the tests t
 
 from __future__ import annotations
 
+import ast
 from pathlib import Path
 
 import nbformat
@@ -34,3 +35,18 @@ def wrong_lab(name: str, exercise_id: str, mistakes: dict[str, str]) -> nbformat
             cell.source = SOLUTION_BLOCK.sub(answer, cell.source)
     assert not unused, f"{name}: exercise {exercise_id}'s solution no longer contains {list(unused)}"
     return make_lab(solution, name)
+
+
+def solution_namespace(name: str, lab: int) -> dict:
+    """The solution notebook's import lines and every cell holding one of lab ``lab``'s exercises, run in a fresh
+    namespace (as a kernel's globals): the right answers, exactly as the notebook writes them."""
+    cells = nbformat.read(REPO / "solutions" / name, as_version=4).cells
+    namespace = {"__name__": f"lab{lab:02d}_notebook"}
+    setup = "\n".join(line for line in cells[1].source.splitlines() if not line.startswith("%"))
+    imports = [ast.get_source_segment(setup, node) for node in ast.parse(setup).body
+               if isinstance(node, ast.Import | ast.ImportFrom)]
+    exec("\n".join(imports), namespace)  # noqa: S102  the solution notebook's own import lines
+    for cell in cells:
+        if cell.cell_type == "code" and f"# BEGIN SOLUTION {lab}." in cell.source:
+            exec(cell.source, namespace)  # noqa: S102  the solution notebook's own exercise code
+    return namespace

@@ -5,6 +5,7 @@ import pytest
 
 import distlab
 import distlab.collectives as coll
+import distlab.zero.zero2
 from distlab import grading
 from distlab.collectives import ring_all_reduce
 from distlab.grading.integrity import reference_use
@@ -73,6 +74,25 @@ def test_a_subclass_of_a_reference_class_is_recognised_and_a_library_base_is_sca
         "test_a_subclass_of_a_reference_class_is_recognised_and_a_library_base_is_scaffolding.<locals>.Mine "
         "subclasses distlab.zero.optim.ShardedOptimizer, the library's own answer")
     assert reference_use((Mine,), ("distlab.zero.optim.mixed_precision_step",)) is None
+
+
+def test_decorated_functions_are_told_apart_by_their_own_bodies():
+    """``@torch.no_grad()`` gives every function it wraps the same wrapper code; the student's decorated stub is
+    not the library's decorated answer, and calling the decorated answer is still found."""
+    import torch
+
+    @torch.no_grad()
+    def reduce_scatter_grads(flat):
+        raise NotImplementedError("Exercise 4.2: replace this line with your solution")
+
+    @torch.no_grad()
+    def wraps_it(flat):
+        return distlab.zero.zero2.reduce_scatter_grads(flat)
+
+    answer = ("distlab.zero.zero2.reduce_scatter_grads",)
+    assert reference_use((reduce_scatter_grads,), answer) is None
+    assert reference_use((wraps_it,), answer).endswith("calls distlab.zero.zero2.reduce_scatter_grads, the library's "
+                                                       "own answer")
 
 
 def test_the_students_own_code_is_not_flagged_even_under_the_references_name():

@@ -5,11 +5,9 @@ exercise calls the earlier ones by their notebook names. A wrong answer replaces
 built on it must still pass (their checkers run on distlab's reference for the pieces below them).
 """
 
-import ast
 import re
 from pathlib import Path
 
-import nbformat
 import pytest
 import torch
 import torch.distributed as dist
@@ -18,27 +16,14 @@ import torch.nn.functional as F
 import distlab
 from distlab.grading import lab05
 from distlab.tensor_parallel import all_gather_sequence, reduce_scatter_along_sequence
+from wrong_answers import solution_namespace
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_thread")]
 
 NOTEBOOK = Path(__file__).resolve().parents[2] / "solutions" / "05_tensor_parallel.ipynb"
 
 
-def solution_namespace() -> dict:
-    """The notebook's imports and every exercise cell, run in a fresh namespace (a kernel's globals)."""
-    cells = nbformat.read(NOTEBOOK, as_version=4).cells
-    namespace = {"__name__": "lab05_notebook"}
-    setup = "\n".join(line for line in cells[1].source.splitlines() if not line.startswith("%"))
-    imports = [ast.get_source_segment(setup, node) for node in ast.parse(setup).body
-               if isinstance(node, ast.Import | ast.ImportFrom)]
-    exec("\n".join(imports), namespace)  # noqa: S102  the solution notebook's own import lines
-    for cell in cells:
-        if cell.cell_type == "code" and "# BEGIN SOLUTION 5." in cell.source:
-            exec(cell.source, namespace)  # noqa: S102  the solution notebook's own exercise code
-    return namespace
-
-
-SOLUTION = solution_namespace()
+SOLUTION = solution_namespace("05_tensor_parallel.ipynb", 5)
 ANSWERS = {"5.1": ("f", "g"), "5.2": ("ColumnParallelLinear", "RowParallelLinear"), "5.3": ("TensorParallelMLP",),
            "5.4": ("qkv_rows", "TensorParallelAttention"),
            "5.5": ("VocabParallelEmbedding", "vocab_parallel_cross_entropy"),

@@ -5,39 +5,24 @@ one-device layer (8.5) calls the student's router and capacity (8.1, 8.2) by the
 answer replaces one name there; the layer must still pass (its checker runs on distlab's router and capacity).
 """
 
-import ast
 import math
 import re
 from pathlib import Path
 
-import nbformat
 import pytest
 import torch
 import torch.distributed as dist
 
 import distlab
 from distlab.moe import Routing, all_to_all, assign_capacity, exchange_counts, expert_capacity, route, run_experts
+from wrong_answers import solution_namespace
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_thread")]
 
 NOTEBOOK = Path(__file__).resolve().parents[2] / "solutions" / "08_moe.ipynb"
 
 
-def solution_namespace() -> dict:
-    """The notebook's imports and every exercise cell, run in a fresh namespace (a kernel's globals)."""
-    cells = nbformat.read(NOTEBOOK, as_version=4).cells
-    namespace = {"__name__": "lab08_notebook"}
-    setup = "\n".join(line for line in cells[1].source.splitlines() if not line.startswith("%"))
-    imports = [ast.get_source_segment(setup, node) for node in ast.parse(setup).body
-               if isinstance(node, ast.Import | ast.ImportFrom)]
-    exec("\n".join(imports), namespace)  # noqa: S102  the solution notebook's own import lines
-    for cell in cells:
-        if cell.cell_type == "code" and "# BEGIN SOLUTION 8." in cell.source:
-            exec(cell.source, namespace)  # noqa: S102  the solution notebook's own exercise code
-    return namespace
-
-
-SOLUTION = solution_namespace()
+SOLUTION = solution_namespace("08_moe.ipynb", 8)
 ANSWERS = {"8.1": ("route",), "8.2": ("expert_capacity", "assign_capacity"),
            "8.3": ("load_balancing_loss", "router_z_loss"), "8.4": ("update_expert_bias",), "8.5": ("moe_layer",),
            "8.6": ("expert_parallel",)}

@@ -12,13 +12,13 @@ import math
 import re
 from pathlib import Path
 
-import matplotlib
 import nbformat
 import pytest
 import torch
 
 import distlab
 from distlab.fp8 import FORMATS, DelayedScaling, decode, encode, fp8_matmul, quantize
+from wrong_answers import solution_namespace
 
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_thread")]
 
@@ -26,19 +26,7 @@ NOTEBOOK = Path(__file__).resolve().parents[2] / "solutions" / "09_fp8.ipynb"
 CELLS = nbformat.read(NOTEBOOK, as_version=4).cells
 
 
-def solution_namespace() -> dict:
-    """The notebook's imports and every exercise cell, run in a fresh namespace (a kernel's globals)."""
-    matplotlib.use("Agg")
-    namespace = {"__name__": "lab09_notebook"}
-    imports = [line for line in CELLS[1].source.splitlines() if line.startswith(("import ", "from "))]
-    exec("\n".join(imports), namespace)  # noqa: S102  the solution notebook's own import lines
-    for cell in CELLS:
-        if cell.cell_type == "code" and "# BEGIN SOLUTION 9." in cell.source:
-            exec(cell.source, namespace)  # noqa: S102  the solution notebook's own exercise code
-    return namespace
-
-
-SOLUTION = solution_namespace()
+SOLUTION = solution_namespace("09_fp8.ipynb", 9)
 ANSWERS = {"9.1": ("decode_fp8", "encode_fp8"), "9.2": ("MyLossScaler",),
            "9.3": ("quantize_blocks", "MyDelayedScaling"), "9.4": ("emulated_mm", "native_mm", "fp8_mm"),
            "9.5": ("MyFloat8Linear",)}

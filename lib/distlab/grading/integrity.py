@@ -43,12 +43,13 @@ def _functions(obj) -> list:
                 continue
             for member in vars(cls).values():
                 member = getattr(member, "__func__", member)  # staticmethod, classmethod
+                member = inspect.unwrap(member) if callable(member) else member
                 if isinstance(member, property):
                     found += [f for f in (member.fget, member.fset) if f is not None]
                 elif inspect.isfunction(member):
                     found.append(member)
         return found
-    obj = getattr(obj, "__func__", obj)  # a bound method
+    obj = inspect.unwrap(getattr(obj, "__func__", obj))  # a bound method; a decorated function's own body
     return [obj] if inspect.isfunction(obj) else []
 
 
@@ -89,7 +90,8 @@ def reference_use(student_code: tuple, references: tuple[str, ...]) -> str | Non
     for dotted in references:
         answer = _resolve(dotted)
         answers[id(answer)] = dotted
-        answers[id(getattr(answer, "__code__", answer))] = dotted
+        # The body's code, not a decorator's: every ``@torch.no_grad()`` function shares torch's wrapper code.
+        answers[id(getattr(inspect.unwrap(answer), "__code__", answer))] = dotted
     pending = [f for obj in student_code for f in _functions(obj)]
     for obj in student_code:
         if id(obj) in answers:
@@ -107,7 +109,7 @@ def reference_use(student_code: tuple, references: tuple[str, ...]) -> str | Non
         if id(function.__code__) in answers:
             return f"{function.__qualname__} is {answers[id(function.__code__)]}, the library's own answer"
         for value in _reached(function):
-            if id(value) in answers:
+            if id(value) in answers or callable(value) and id(inspect.unwrap(value)) in answers:
                 return f"{function.__qualname__} calls {answers[id(value)]}, the library's own answer"
             if (inspect.isfunction(value) or inspect.isclass(value)) and value.__module__ in own_module:
                 pending += _functions(value)  # the notebook's own helpers: follow them
