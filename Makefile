@@ -8,12 +8,13 @@ STAMP := $(VENV)/.installed
 # (`distlab`, `jupyter`) and the kernel spec names it: installed through a symlinked .venv (the instructor
 # guide's test does that) they must not point at the link's folder, which goes away.
 REAL_PY = "$$(cd $(VENV) && pwd -P)/bin/python"
+VENV_TIKTOKEN := $(VENV)/share/distlab/tiktoken_cache
 LOCK := requirements.lock
 LATEST := .venv-latest
 TORCH_PIN := torch==2.13.0
 SHARED := $(abspath ../shared)
 
-export TIKTOKEN_CACHE_DIR ?= $(if $(wildcard $(SHARED)/tiktoken_cache),$(SHARED)/tiktoken_cache,)
+export TIKTOKEN_CACHE_DIR ?= $(abspath $(VENV_TIKTOKEN))
 
 .PHONY: install lab test test-latest lock browser-deps solutions labs bench gpu-check clean
 
@@ -32,6 +33,11 @@ $(STAMP): pyproject.toml $(LOCK)
 	# tests/test_payload.py runs the ranks' error reports under both
 	$(REAL_PY) -m pip install -q --no-deps --upgrade --target $(VENV)/compat/cloudpickle-3.1.2 cloudpickle==3.1.2
 	$(REAL_PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
+	# GPT-2's BPE files for lab 10, inside the venv, so the course runs offline after this one install
+	mkdir -p $(VENV_TIKTOKEN)
+	if [ -d "$(SHARED)/tiktoken_cache" ]; then cp -f "$(SHARED)"/tiktoken_cache/* $(VENV_TIKTOKEN)/; \
+	elif ! TIKTOKEN_CACHE_DIR=$(VENV_TIKTOKEN) $(REAL_PY) -c "import tiktoken; tiktoken.get_encoding('gpt2')" \
+		2>/dev/null; then echo "GPT-2's tokenizer files could not be fetched: lab 10 fetches them at first use"; fi
 	touch $(STAMP)
 
 install: $(STAMP)

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import os
 import random
+import subprocess
+import sys
 from pathlib import Path
 
 import numpy as np
@@ -26,7 +29,7 @@ from distlab.data.samples import (
     threshold_pairs,
     write_records,
 )
-from distlab.data.shards import EOT, encode_document, gpt2_encoding, read_shard, tokenize_to_bin
+from distlab.data.shards import EOT, VENV_TIKTOKEN, encode_document, gpt2_encoding, read_shard, tokenize_to_bin
 from distlab.data.toxicity import (
     DEFAULT_MIN_SHARE,
     DEFAULT_THRESHOLD,
@@ -373,3 +376,21 @@ def test_ledger_raises_when_documents_go_missing():
         ledger.check_balance(kept=1)
     ledger.check_balance(kept=2)
     assert list(run_stages([], [], ledger)) == []
+
+
+def test_lab_10_tokenizes_offline_from_the_files_make_install_left():
+    """`make install` leaves GPT-2's BPE files in the venv: with no cache configured, no shared folder and every
+    connection refused, the tokenizer still loads (an offline room after one online install)."""
+    if not (VENV_TIKTOKEN.is_dir() and any(VENV_TIKTOKEN.iterdir())):
+        pytest.fail(f"{VENV_TIKTOKEN} is empty: run make install (it copies or fetches GPT-2's files there)")
+    offline = ("import pathlib, socket\n"
+               "def refuse(*args, **kwargs):\n"
+               "    raise OSError('network blocked by the test')\n"
+               "socket.socket.connect = refuse\n"
+               "import distlab.data.shards as shards\n"
+               "shards._REPO_SHARED_TIKTOKEN = pathlib.Path('/nonexistent')\n"
+               "print(shards.encode_document('Hello world').tolist())\n")
+    env = {k: v for k, v in os.environ.items() if k != "TIKTOKEN_CACHE_DIR"}
+    done = subprocess.run([sys.executable, "-c", offline], capture_output=True, text=True, env=env, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.strip() == "[50256, 15496, 995]", done.stdout

@@ -13,6 +13,7 @@ from __future__ import annotations
 import functools
 import json
 import os
+import sys
 from pathlib import Path
 from typing import Iterable, Sequence
 
@@ -21,13 +22,21 @@ import numpy as np
 EOT = 50256
 SHARD_DTYPE = np.dtype("<u2")  # uint16, little-endian
 DEFAULT_SHARD_TOKENS = 1 << 20
+# Where GPT-2's BPE files wait on disk, so lab 10 tokenizes offline: the copy `make install` leaves in the venv
+# (from the course's shared folder, or fetched once while installing), then the shared folder beside a checkout.
+VENV_TIKTOKEN = Path(sys.prefix) / "share" / "distlab" / "tiktoken_cache"
 _REPO_SHARED_TIKTOKEN = Path(__file__).resolve().parents[3] / ".." / "shared" / "tiktoken_cache"
 
 
 def ensure_tiktoken_cache() -> None:
-    """Point tiktoken at the repo's offline GPT-2 files when no cache is configured."""
-    if "TIKTOKEN_CACHE_DIR" not in os.environ and _REPO_SHARED_TIKTOKEN.is_dir():
-        os.environ["TIKTOKEN_CACHE_DIR"] = str(_REPO_SHARED_TIKTOKEN.resolve())
+    """Point tiktoken at GPT-2 files already on disk when no cache is configured: without one, tiktoken downloads
+    them at first use, which fails in an offline room."""
+    if os.environ.get("TIKTOKEN_CACHE_DIR"):  # tiktoken reads an empty value as "download, keep nothing"
+        return
+    for folder in (VENV_TIKTOKEN, _REPO_SHARED_TIKTOKEN):
+        if folder.is_dir() and any(folder.iterdir()):
+            os.environ["TIKTOKEN_CACHE_DIR"] = str(folder.resolve())
+            return
 
 
 @functools.lru_cache(maxsize=1)
