@@ -77,7 +77,9 @@ def parse(argv):
     p.add_argument("--world-size", type=int, default=4)
     p.add_argument("--reps", type=int, default=7, help="interleaved rounds per size and implementation (>= 5)")
     p.add_argument("--min-size", type=int, default=4 * KiB)
-    p.add_argument("--max-size", type=int, default=16 * MiB)
+    # 64 MiB over 4 ranks is 16 MiB chunks, 4 segments of 4 MiB each: the largest sizes are the ones where the
+    # reference ring really pipelines (below a segment per chunk it sends whole chunks, like the plain ring)
+    p.add_argument("--max-size", type=int, default=64 * MiB)
     p.add_argument("--segment-kib", type=int, default=coll.SEGMENT_BYTES // KiB,
                    help="segment size of the pipelined ring")
     p.add_argument("--threads", type=int, default=1, help="compute threads per rank (default 1, see below)")

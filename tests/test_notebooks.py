@@ -11,6 +11,7 @@ import nbformat
 import pytest
 
 import distlab.grading as grading
+from distlab.grading.cells import cells_to_skip
 from distlab.grading.classroom import grade_notebook, lab_number
 from distlab.grading.registry import Exercise, all_exercises, exercises_of_lab
 from distlab.notebooks import NotebookError, build_labs, exercise_ids, make_lab, strip_solutions
@@ -156,7 +157,7 @@ def test_generated_labs_grade_zero_and_run_to_the_end(tmp_path):
     question reports 'not attempted'. Graded as a class, with warm kernels, as many at once as cores allow."""
     labs = sorted(str(p) for p in (REPO / "labs").glob("[0-9][0-9]_*.ipynb"))
     report = tmp_path / "labs.json"
-    result = _grade_cli(*labs, "--json", str(report))
+    result = _grade_cli(*labs, "--json", str(report), "--all-cells")  # every cell: the demos must run too
     assert result.returncode == 1, result.stdout + result.stderr  # no notebook passes
     assert "without encryption" not in result.stderr and "To connect another client" not in result.stderr
     data = json.loads(report.read_text())
@@ -173,12 +174,16 @@ def test_generated_labs_grade_zero_and_run_to_the_end(tmp_path):
 
 
 @pytest.mark.timeout(600)
-def test_a_solution_notebook_grades_full_marks_through_the_cli(tmp_path):
-    smallest = min(SOLUTIONS, key=lambda p: p.stat().st_size)
-    result = _grade_cli(str(smallest))
+def test_a_solution_graded_without_its_demo_cells_gets_full_marks(tmp_path):
+    """Lab 03's solution, graded as distlab grade does (the cells tagged grader-skips that no check needs left
+    out), gets every point: the same as the full run, whose ✓ lines nbval re-proves in every make test."""
+    solution = REPO / "solutions" / "03_ddp.ipynb"
+    result = _grade_cli(str(solution), "--json", str(tmp_path / "grade.json"))
     assert result.returncode == 0, result.stdout + result.stderr
     assert "passed the 100% threshold; every notebook must pass: ok, exit status 0" in result.stdout
     assert "(--threshold 1 (the default))" in result.stdout and "✗" not in result.stdout.split("marks:")[0]
+    graded = json.loads((tmp_path / "grade.json").read_text())["notebooks"][0]
+    assert graded["skipped_cells"] == len(cells_to_skip(nbformat.read(solution, as_version=4))) >= 10
 
 
 def test_a_notebook_with_a_deleted_check_scores_that_exercise_as_not_run(tmp_path):

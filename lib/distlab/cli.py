@@ -31,7 +31,7 @@ from distlab.grading.submissions import (
     write_feedback,
     write_gradescope,
 )
-from distlab.notebooks import build_labs, execute
+from distlab.notebooks import build_labs, execute, tag_grader_skips
 
 # Subcommands that own their argument parsing: name -> "module:function(argv) -> int".
 DELEGATED = {"data": "distlab.data.cli:main", "doctor": "distlab.doctor:main"}
@@ -50,6 +50,22 @@ def _labs(args) -> int:
         return 1
     verb = "in sync" if args.check else f"rebuilt {len(stale)}"
     print(f"labs: {verb} ({len(list(Path(args.solutions).glob('[0-9][0-9]_*.ipynb')))} notebooks)")
+    return 0
+
+
+def _tag(args) -> int:
+    """Keep each solution's ``grader-skips`` tags on exactly the cells no check needs; with --check, only say."""
+    stale = []
+    for path in args.paths:
+        notebook = nbformat.read(path, as_version=4)
+        if tag_grader_skips(notebook):
+            stale.append(path)
+            if not args.check:
+                nbformat.write(notebook, path)
+    if args.check and stale:
+        print(f"grader-skips tags are stale in {', '.join(stale)}: run `distlab notebooks tag {' '.join(stale)}`")
+        return 1
+    print(f"grader-skips tags: {'stale in ' + str(len(stale)) if stale else 'current in all'} of {len(args.paths)}")
     return 0
 
 
@@ -93,7 +109,7 @@ def _grade(args) -> int:
     print(f"grading {len(todo)} notebook(s){f' ({len(kept)} unchanged since the last report)' if kept else ''}, "
           f"{jobs or 'auto'} at a time, at most {args.timeout:g} s each …", file=sys.stderr, flush=True)
     grades = grade_notebooks([p for p, _ in todo], timeout=args.timeout, jobs=jobs, warm=not args.cold,
-                             progress=progress, students=[s for _, s in todo]) if todo else []
+                             progress=progress, students=[s for _, s in todo], all_cells=args.all_cells) if todo else []
     for grade in grades + kept:
         if deadline is not None:
             grade.submitted = times[grade.student].isoformat()
@@ -163,6 +179,10 @@ def parser() -> argparse.ArgumentParser:
     execute.add_argument("paths", nargs="+")
     execute.add_argument("--timeout", type=int, default=600, help="seconds per cell")
     execute.set_defaults(run=_execute)
+    tag = nb_sub.add_parser("tag", help="tag grader-skips on the cells no check needs (then run distlab labs)")
+    tag.add_argument("paths", nargs="+")
+    tag.add_argument("--check", action="store_true", help="only report stale tags (exit status 1)")
+    tag.set_defaults(run=_tag)
 
     grade = sub.add_parser("grade", help="execute student notebooks headless and report per student and exercise")
     grade.add_argument("paths", nargs="+", metavar="NOTEBOOK_OR_FOLDER",
@@ -185,6 +205,8 @@ def parser() -> argparse.ArgumentParser:
     grade.add_argument("--csv", metavar="FILE", help="write one row per student, one column per exercise and question")
     grade.add_argument("--gradescope", metavar="DIR", help="write DIR/<notebook>/<student>/results.json (Gradescope)")
     grade.add_argument("--feedback", metavar="DIR", help="write DIR/<student>/<notebook>.md, each exercise's line")
+    grade.add_argument("--all-cells", action="store_true",
+                       help="run every cell, the demos and benchmark cells no check needs included (slower)")
     grade.add_argument("--answers", action="store_true",
                        help="show each failed quiz question's key in the report (for instructors, after the deadline)")
     grade.add_argument("--cold", action="store_true",

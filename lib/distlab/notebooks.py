@@ -20,6 +20,7 @@ from pathlib import Path
 import nbformat
 
 from distlab.grading import STUB_MESSAGE
+from distlab.grading.cells import SKIP_TAG, skippable_cells
 from distlab.runtime.kernels import kernel_manager_class, notebook_client
 
 REPO_ROOT = Path(__file__).resolve().parents[2]
@@ -151,3 +152,23 @@ def execute(path: Path, cell_timeout: int = 600, allow_errors: bool = False,
                                  lambda cell: cell_timeout)
         client.execute(env=dict(os.environ, **(env or {})))
     return notebook
+
+
+def tag_grader_skips(notebook: nbformat.NotebookNode) -> list[int]:
+    """Tag ``grader-skips`` exactly on the code cells no check needs (the grader then leaves them out, see
+    :mod:`distlab.grading.cells`); return the indices whose tags changed."""
+    skippable = set(skippable_cells(notebook))
+    changed = []
+    for index, cell in enumerate(notebook.cells):
+        if cell.cell_type != "code":
+            continue
+        tags = list(cell.metadata.get("tags", []))
+        want = index in skippable
+        if want != (SKIP_TAG in tags):
+            tags = tags + [SKIP_TAG] if want else [t for t in tags if t != SKIP_TAG]
+            if tags:
+                cell.metadata["tags"] = tags
+            else:
+                cell.metadata.pop("tags", None)
+            changed.append(index)
+    return changed

@@ -29,6 +29,7 @@ import nbformat
 from nbclient.exceptions import CellTimeoutError, DeadKernelError
 from nbclient.util import ensure_async
 
+from distlab.grading.cells import cells_to_skip
 from distlab.grading.harness import first_line
 from distlab.grading.registry import all_exercises, exercises_of_lab, lab_modules, sort_key
 from distlab.grading.submissions import MARKS, content_hash
@@ -61,6 +62,7 @@ class NotebookGrade:
     submitted: str | None = None  # ISO time, when a deadline was given
     late: bool | None = None  # submitted after the deadline (None: no deadline given)
     reused: bool = False  # taken from the previous report (``--changed``): same student, same content
+    skipped_cells: int = 0  # demo and benchmark cells no check needs, left out (:mod:`distlab.grading.cells`)
 
     @property
     def points(self) -> int:
@@ -116,8 +118,8 @@ async def _ask_ledger(kc, wait: float) -> list[dict] | None:
     return None
 
 
-async def _run_then_ask(client, env: dict) -> tuple[list[dict] | None, CellTimeoutError | None]:
-    """Run every cell as nbclient's ``async_execute`` does, then, in the same kernel, ask for the ledger.
+async def _run_then_ask(client, env: dict, skip: set[int]) -> tuple[list[dict] | None, CellTimeoutError | None]:
+    """Run every cell but ``skip`` as nbclient's ``async_execute`` does, then, in the same kernel, ask for the ledger.
 
     A cell past its time limit interrupts the kernel (a loop or a launch ends with KeyboardInterrupt) and the
     ledger is asked for all the same, so the checks that ran before it still count."""
@@ -128,7 +130,8 @@ async def _run_then_ask(client, env: dict) -> tuple[list[dict] | None, CellTimeo
             client.nb.metadata["language_info"] = info["content"]["language_info"]
         try:
             for index, cell in enumerate(client.nb.cells):
-                await client.async_execute_cell(cell, index, execution_count=client.code_cells_executed + 1)
+                if index not in skip:
+                    await client.async_execute_cell(cell, index, execution_count=client.code_cells_executed + 1)
         except CellTimeoutError as error:
             stopped = error
             await ensure_async(client.km.interrupt_kernel())
@@ -145,7 +148,7 @@ def _tampering(notebook: nbformat.NotebookNode) -> str | None:
 
 
 async def _grade_one(path: Path, student: str, manager_class, timeout: float, cell_timeout: float | None,
-                     expected: dict) -> NotebookGrade:
+                     expected: dict, all_cells: bool) -> NotebookGrade:
     grade = NotebookGrade(str(path), student, sha256=content_hash(path) if path.is_file() else "")
     started = time.monotonic()
     deadline = started + timeout
@@ -171,7 +174,9 @@ async def _grade_one(path: Path, student: str, manager_class, timeout: float, ce
 
         client.on_cell_start, client.on_cell_executed = cell_start, cell_executed
         try:
-            results, stopped = await _run_then_ask(client, dict(os.environ))
+            skip = set() if all_cells else cells_to_skip(notebook)
+            grade.skipped_cells = len(skip)
+            results, stopped = await _run_then_ask(client, dict(os.environ), skip)
             reported = {r["id"]: r for r in results or []}
             if stopped is not None:
                 over = "its time limit" if time.monotonic() >= deadline - 1 else "the cell time limit"
@@ -205,12 +210,13 @@ async def _grade_one(path: Path, student: str, manager_class, timeout: float, ce
 
 def grade_notebooks(paths, timeout: float = DEFAULT_TIMEOUT, jobs: int | None = None, warm: bool = True,
                     cell_timeout: float | None = None, progress=None,
-                    students: list[str] | None = None) -> list[NotebookGrade]:
+                    students: list[str] | None = None, all_cells: bool = False) -> list[NotebookGrade]:
     """Execute each notebook headless (``jobs`` at a time, each within ``timeout`` seconds) and total its checks.
 
     ``warm`` forks every kernel from one :class:`KernelFactory` (Linux); ``progress(done, total, grade)``
     is called as each notebook finishes. Exercises of the notebook's lab that no check reported (a
-    deleted check cell, a notebook stopped early) score 0 as "not run".
+    deleted check cell, a notebook stopped early) score 0 as "not run". Cells no check needs are left out
+    (:func:`~distlab.grading.cells.cells_to_skip`) unless ``all_cells``.
     """
     paths = [Path(p) for p in paths]
     names = students or student_names([str(p) for p in paths])
@@ -231,7 +237,7 @@ def grade_notebooks(paths, timeout: float = DEFAULT_TIMEOUT, jobs: int | None = 
             async with gate:
                 number = lab_number(path)
                 grade = await _grade_one(path, name, manager_class, timeout, cell_timeout,
-                                         exercises_of_lab(number) if number is not None else {})
+                                         exercises_of_lab(number) if number is not None else {}, all_cells)
             done.append(grade)
             if progress:
                 progress(len(done), len(paths), grade)
@@ -250,9 +256,10 @@ def grade_notebooks(paths, timeout: float = DEFAULT_TIMEOUT, jobs: int | None = 
 
 
 def grade_notebook(path: Path, timeout: float = DEFAULT_TIMEOUT, cell_timeout: float | None = None,
-                   warm: bool = False) -> NotebookGrade:
+                   warm: bool = False, all_cells: bool = False) -> NotebookGrade:
     """Grade one notebook (a fresh kernel, unless ``warm``); see :func:`grade_notebooks`."""
-    return grade_notebooks([path], timeout=timeout, jobs=1, warm=warm, cell_timeout=cell_timeout)[0]
+    return grade_notebooks([path], timeout=timeout, jobs=1, warm=warm, cell_timeout=cell_timeout,
+                           all_cells=all_cells)[0]
 
 
 # ---------------------------------------------------------------- the class report
