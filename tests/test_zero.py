@@ -24,11 +24,9 @@ from distlab.zero import (
     free_storage,
     mixed_precision_step,
     plan_units,
-    reduce_scatter_grads,
     reshard,
     train,
     train_worker,
-    unshard,
     validate,
 )
 
@@ -326,125 +324,10 @@ def test_train_entry_point_and_bad_input_inside_ranks(ranks):
     assert all("shard_size=3 must be a positive divisor" in out for out in ranks[4].run(bad_mesh, show_output=False))
 
 
-# ---------------------------------------------------------------- checkers
-
-class ShardedSGD:
-    """A student's ZeRO-1 (the notebook's answer) for the checker tests; subclasses make the usual mistakes."""
-
-    def __init__(self, params, optimizer_class, **defaults):
-        self.world, self.rank = dist.get_world_size(), dist.get_rank()
-        self.optimizer_class, self.defaults, self.optim, self.flats = optimizer_class, defaults, None, []
-        groups = list(params)
-        for group in groups if isinstance(groups[0], dict) else [{"params": groups}]:
-            self.add_param_group(group)
-
-    def shards(self):
-        return self.world
-
-    def add_param_group(self, group):
-        params = [p for p in group["params"] if p.requires_grad]
-        layout = FlatLayout(params, self.shards())
-        flat = layout.flatten([p.detach() for p in params])
-        for p, view in zip(params, layout.views(flat)):
-            p.data = view
-        shard = layout.shard(flat, self.rank % self.shards())
-        options = dict({k: v for k, v in group.items() if k != "params"}, params=[shard])
-        if self.optim is None:
-            self.optim = self.optimizer_class([options], **self.defaults)
-        else:
-            self.optim.add_param_group(options)
-        self.flats.append((layout, flat, shard))
-
-    def zero_grad(self, set_to_none=True):
-        for layout, _, shard in self.flats:
-            shard.grad = None
-            for p in layout.params:
-                p.grad = None
-
-    @torch.no_grad()
-    def step(self):
-        for layout, flat, shard in self.flats:
-            shard.grad = self.average(layout.flatten([p.grad for p in layout.params], dtype=torch.float32))
-        self.optim.step()
-        for layout, flat, shard in self.flats:
-            self.gather(flat, shard)
-
-    def average(self, grads):
-        shard = torch.empty(grads.numel() // self.world)
-        dist.reduce_scatter_tensor(shard, grads)
-        return shard / self.world
-
-    def gather(self, flat, shard):
-        dist.all_gather_into_tensor(flat, shard.clone())
-
-
-class AllReduceSGD(ShardedSGD):
-    def average(self, grads):  # the full gradient everywhere, then the shard: 1.5x DDP's bytes with the gather
-        dist.all_reduce(grads)
-        return (grads / self.world)[self.rank * (grads.numel() // self.world):][:grads.numel() // self.world]
-
-
-class SummedSGD(ShardedSGD):
-    def average(self, grads):
-        return super().average(grads) * self.world
-
-
-class ReplicatedStateSGD(ShardedSGD):
-    """Every rank steps everything: DDP with a flat buffer, no sharding of the state."""
-
-    def shards(self):
-        return 1
-
-    def average(self, grads):
-        dist.all_reduce(grads)
-        return grads / self.world
-
-    def gather(self, flat, shard):
-        pass
-
-
-@torch.no_grad()
-def reduce_in_bf16(flat):
-    grads = flat.layout.flatten([p.grad for p in flat.params])  # the parameters' dtype: bf16 sums
-    shard = torch.empty(flat.layout.shard_numel, dtype=grads.dtype)
-    dist.reduce_scatter_tensor(shard, grads)
-    flat.grad_shard = (shard / dist.get_world_size()).to(flat.dtype)
-    for p in flat.params:
-        p.grad = None
-
-
-@torch.no_grad()
-def keeps_full_grads(flat):
-    grads = flat.layout.flatten([p.grad for p in flat.params], dtype=torch.float32)
-    shard = torch.empty(flat.layout.shard_numel)
-    dist.reduce_scatter_tensor(shard, grads)
-    flat.grad_shard = (shard / dist.get_world_size()).to(flat.dtype)
-
-
-def never_frees(flat):
-    pass
-
+# ------------------------------------------------- checkers (wrong answers: tests/grading/test_wrong_answers_lab04.py)
 
 def gathers_without_allocating(flat):
     dist.all_gather_into_tensor(flat.full, flat.local)
-
-
-def test_checkers_pass_the_reference_and_explain_mistakes(ranks):
-    assert "1/N of the state" in lab04.check_sharded_optimizer(ShardedSGD)
-    with pytest.raises(CheckFailed, match=r"1\.50× what DDP's all-reduce sends .*reduce-scatter the gradients"):
-        lab04.check_sharded_optimizer(AllReduceSGD)
-    with pytest.raises(CheckFailed, match="by a factor of [234].00: gradients summed but not divided by world size"):
-        lab04.check_sharded_optimizer(SummedSGD)
-    with pytest.raises(CheckFailed, match="optimizer holds momentum for 100% of the parameters"):
-        lab04.check_sharded_optimizer(ReplicatedStateSGD)
-    assert "fp32" in lab04.check_zero2(reduce_scatter_grads)
-    with pytest.raises(CheckFailed, match="carried 2 bytes per element, so the gradients were summed in bf16"):
-        lab04.check_zero2(reduce_in_bf16)
-    with pytest.raises(CheckFailed, match="still holds 5 full gradient"):
-        lab04.check_zero2(keeps_full_grads)
-    assert "1.5× DDP's bytes" in lab04.check_zero3(unshard, reshard)
-    with pytest.raises(CheckFailed, match="still holds .* bytes of gathered parameters .*reshard must free"):
-        lab04.check_zero3(unshard, never_frees)
 
 
 def test_single_process_checkers_and_stubs():

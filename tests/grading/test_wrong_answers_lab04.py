@@ -240,6 +240,7 @@ WRONG = [  # (exercise, the wrong answer, what the message must say)
 
 RIGHT = {"4.1": (Sharded,), "4.2": (reduce_scatter_grads,), "4.3": (right_unshard, right_reshard),
          "4.4": (mixed_precision_step,), "4.5": (checkpoint_module,)}
+RIGHT_SAYS = {"4.1": "1/N of the state", "4.2": "fp32", "4.3": "1.5× DDP's bytes"}
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -259,6 +260,7 @@ def test_wrong_answer_fails_naming_the_mistake(exercise, wrong, message):
 def test_the_right_answer_passes(exercise):
     result = distlab.check(exercise, *RIGHT[exercise], quiet=True)
     assert result.status == "passed" and result.points == result.max_points, result.detail
+    assert RIGHT_SAYS.get(exercise, "") in result.detail, result.detail  # the line says what was verified
 
 
 QUIZ_WRONG = [("Q4.1", 4 + 12 / 8), ("Q4.2", 2.0), ("Q4.3", "b"), ("Q4.4", 1120), ("Q4.5", "a"), ("Q4.6", "b"),
