@@ -38,7 +38,10 @@ def test_native_cuda_matmul_equals_emulated(blocks):
     auto = fp8_matmul(aq, wq.t(), sa, sw.t(), torch.float32, notes=notes)
     assert auto.device.type == "cuda" and auto.dtype == torch.float32
     rel = float((auto - emulated).norm() / emulated.norm())
-    assert rel < (1e-2 if blocks[0] == "row" else 1e-4)  # row-wise kernels write bf16
+    # Row-wise kernels write bf16. The others write fp32, yet differ from the fp32 emulation by more than fp32
+    # rounding: an H100 gave 1.28e-4 for both (benchmarks/results/gpu.txt), the size of a sum kept to ~14
+    # mantissa bits, which is what DeepSeek-V3's report (section 3.3.2) measured of Hopper's FP8 accumulation.
+    assert rel < (1e-2 if blocks[0] == "row" else 1e-3)
     assert bool(notes) != _fp8_tensor_cores()
 
 

@@ -224,3 +224,61 @@ def test_a_part_that_outlives_its_time_is_ended_and_keeps_its_output():
     assert run.timed_out and run.output[0] == "started" and run.seconds < 30
     done = gpu_check.run_child([sys.executable, "-c", "print('done')"], 60)
     assert not done.timed_out and done.returncode == 0 and done.output == ["done"]
+
+
+# ---------------------------------------------------------------- reading the allocator's history (lab 01's part)
+
+def test_a_builds_blocks_are_split_into_state_with_its_rounding_and_others_with_their_lines():
+    frame = {"filename": "/x/lib/python3.12/site-packages/torch/optim/adamw.py", "line": 90, "name": "_init_group"}
+    ours = {"filename": "/repo/benchmarks/gpu_check.py", "line": 7, "name": "_fp32_training_state"}
+
+    def snapshot(*blocks):
+        return {"segments": [{"address": 1000, "blocks": [dict(b) for b in blocks]}]}
+
+    before = gpu_check._active_blocks(snapshot({"size": 512, "state": "active_allocated"}))
+    after = gpu_check._active_blocks(snapshot(
+        {"size": 512, "state": "active_allocated"},  # at 1000: alive before the build
+        {"size": 2048, "state": "active_allocated", "requested_size": 2000},  # at 1512: a state tensor
+        {"size": 4096, "state": "inactive"},  # at 3560: freed
+        {"size": 8192, "state": "active_allocated", "requested_size": 8000, "frames": [frame, ours]},  # at 7656
+        {"size": 1024, "state": "active_allocated"}))  # at 15848: no Python frame
+    assert sorted(after) == [1000, 1512, 7656, 15848]
+    state_blocks, extra = gpu_check._new_blocks(before, after, state={1512})
+    assert state_blocks == {"blocks": 1, "bytes": 2048, "requested": 2000}
+    assert [(b["bytes"], b["requested"]) for b in extra] == [(8192, 8000), (1024, 1024)]
+    assert extra[0]["where"] == "adamw.py:90 _init_group (from gpu_check.py:7 _fp32_training_state)"
+    assert extra[1]["where"].startswith("no Python frame")
+
+
+# ---------------------------------------------------------------- --merge: a rerun keeps the other parts
+
+def _evidence(devices, parts):
+    return {"gpu": True, "command": "gpu_check.py --out x", "environment": {"devices": devices}, "parts": parts,
+            "machine": {"date": "2026-11-27"}}
+
+
+def test_a_merged_rerun_keeps_the_parts_it_does_not_redo_and_says_which_run_measured_each(tmp_path):
+    h100 = [{"name": "NVIDIA H100 80GB HBM3", "capability": "9.0", "memory_gib": 79.2}]
+    saved = {"environment": {"status": "ok"}, "lab01-memory": {"status": "failed", "lines": ["old"]},
+             "labs": {"status": "ok", "lines": ["kept"]}}
+    (tmp_path / "gpu.json").write_text(json.dumps(_evidence(h100, saved)), encoding="utf-8")
+    data = {"environment": {"devices": h100}, "parts": {"environment": {"status": "ok"}},
+            "runs": [{"date": "later", "command": "gpu_check.py --merge --parts lab01-memory"}]}
+    gpu_check.merge_into(data, tmp_path)
+    assert [run["command"] for run in data["runs"]] == ["gpu_check.py --out x",
+                                                        "gpu_check.py --merge --parts lab01-memory"]
+    assert data["parts"]["labs"] == {"status": "ok", "lines": ["kept"], "run": 1}
+    assert data["parts"]["environment"] == {"status": "ok"}  # this run's own
+    data["parts"]["lab01-memory"] = {"status": "ok", "lines": ["new"], "run": 2, "seconds": 3.0}
+    text = gpu_check.summarize(dict(data, status="measured"))
+    assert "[labs] ok (run 1)" in text and "[lab01-memory] ok in 3.0 s (run 2)" in text and "old" not in text
+    assert "run 2: later: gpu_check.py --merge --parts lab01-memory" in text
+
+
+def test_merge_refuses_evidence_from_another_device_or_none(tmp_path):
+    data = {"environment": {"devices": [{"name": "NVIDIA H100 80GB HBM3"}]}, "parts": {}, "runs": [{}]}
+    with pytest.raises(SystemExit, match="needs GPU evidence"):
+        gpu_check.merge_into(data, tmp_path)
+    (tmp_path / "gpu.json").write_text(json.dumps(_evidence([{"name": "Tesla T4"}], {})), encoding="utf-8")
+    with pytest.raises(SystemExit, match="measured on Tesla T4"):
+        gpu_check.merge_into(data, tmp_path)

@@ -114,3 +114,22 @@ def test_the_checker_finds_a_violation():
 def test_old_module_paths_are_the_moved_modules(old, new):
     assert importlib.import_module(old) is importlib.import_module(new)
     assert importlib.import_module(new).__spec__.name == new
+
+
+def _calls(name: str):
+    for path in sorted(PACKAGE.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.Call) and ast.unparse(node.func).split(".")[-1] == name:
+                yield f"{path.relative_to(PACKAGE)}:{node.lineno}", node
+
+
+def test_every_fully_shard_names_a_mesh_on_the_ranks_own_device():
+    """Without ``mesh=``, fully_shard builds its mesh on the machine's accelerator: gloo ranks on a one-GPU machine
+    then each claim cuda:<rank>, and ranks 1 and up fail with "invalid device ordinal" (lab 12 on an H100,
+    benchmarks/results/gpu.txt). Meshes are built on ``distlab.device().type``, never on a named device type."""
+    unnamed = [where for where, call in _calls("fully_shard") if not any(k.arg == "mesh" for k in call.keywords)]
+    assert not unnamed, f"fully_shard without mesh= at {unnamed}"
+    fixed = [where for where, call in _calls("init_device_mesh")
+             if call.args and isinstance(call.args[0], ast.Constant)]
+    assert not fixed, f"init_device_mesh on a fixed device type at {fixed}"
+    assert len(list(_calls("fully_shard"))) >= 4  # the scan sees the library's calls

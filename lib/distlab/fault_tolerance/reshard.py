@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import fully_shard  # torch >= 2.6 (already loaded by the state_dict import above)
 
 from distlab.fault_tolerance.checkpoint import TrainState, latest_checkpoint, load_checkpoint, save_checkpoint
@@ -36,9 +37,12 @@ def build_fsdp(cfg: GPTConfig, batch_size: int, lr: float = 3e-3, seed: int = 0,
                n_items: int = 64) -> TrainSetup:
     """The lab's GPT with every block and the root under FSDP2 (``fully_shard``), AdamW, a data order."""
     model = GPT(cfg, seed=seed).to(device())
+    # The mesh names this rank's device: without one, fully_shard builds it on the machine's accelerator,
+    # so gloo ranks on a one-GPU machine would each try to claim cuda:<rank> ("invalid device ordinal").
+    mesh = init_device_mesh(device().type, (dist.get_world_size(),))
     for block in model.blocks:
-        fully_shard(block)
-    fully_shard(model)
+        fully_shard(block, mesh=mesh)
+    fully_shard(model, mesh=mesh)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.1)
     order = ShuffledOrder(n_items, batch_size, seed=data_seed)
     pool = synthetic_batch(cfg, n_items, step=0, seed=data_seed)
