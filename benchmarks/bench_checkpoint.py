@@ -33,6 +33,7 @@ import distlab
 from distlab import results
 from distlab.fault_tolerance.stall import stall_summary, timed_training
 from distlab.model import GPTConfig, count_params
+from distlab.runtime.launch import default_threads
 
 TARGET = 0.3
 MODES = ["none", "sync", "async"]
@@ -113,7 +114,8 @@ def main(argv=None) -> int:
         data = {"target": TARGET, "ratio": ratio, "met": met, "headline": headline, "modes": summary,
                 "state_mib": state_mib, "world_size": args.world_size, "params": count_params(cfg),
                 "load_average": os.getloadavg()[0], "config": vars(args)}
-        print("saved", results.save("checkpoint", data, text))
+        print("saved", results.save("checkpoint", data, text, ranks=args.world_size,
+                                    threads_per_rank=default_threads(args.world_size)))
     return 0 if met else 1
 
 

@@ -34,6 +34,7 @@ import torch.distributed as dist
 import distlab
 from distlab import context_parallel as cp
 from distlab import results
+from distlab.runtime.launch import default_threads
 
 CAUSAL_LAYOUTS = ("contiguous", "zigzag", "striped")
 
@@ -131,7 +132,7 @@ def main(argv=None) -> int:
         results.save("context_parallel", {"rows": rows, "summary": summary, "seq_len": args.seq_len,
                                           "heads": args.heads, "head_dim": args.head_dim, "repeats": args.repeats,
                                           "ran_on": f"{cpus} CPU cores (gloo ranks)"},
-                     summary)
+                     summary, ranks=max(args.world_sizes), threads_per_rank=default_threads(max(args.world_sizes)))
     missed = [row["world_size"] for row in rows if cpus >= row["world_size"]
               and row["median_s"]["ring causal zigzag"] >= row["median_s"]["ring causal contiguous"]]
     if missed:

@@ -33,6 +33,7 @@ from distlab import results
 from distlab.data_parallel import exposed_sync_times, train_worker
 from distlab.flops import format_flops, measure_matmul_peak, mfu
 from distlab.model import GPTConfig, flops_per_token
+from distlab.runtime.launch import default_threads
 
 TARGET = 1.10
 VARIANTS = ["naive", "bucketed", "overlapped", "torch"]
@@ -137,7 +138,8 @@ def main(argv=None) -> int:
                 "mfu": {v: mfu(fpt, tokens / med[v], peak.flops) for v in VARIANTS}, "faithful": faithful,
                 "config": vars(args)}
         data["ran_on"] = f"{len(os.sched_getaffinity(0))} CPU cores (gloo ranks)"  # not the GPUs a box may also have
-        print(f"saved {results.save('ddp', data, chr(10).join(out))}")
+        threads = ranks.threads or default_threads(args.world_size)
+        print(f"saved {results.save('ddp', data, chr(10).join(out), ranks=args.world_size, threads_per_rank=threads)}")
     return 0 if met else 1
 
 

@@ -182,7 +182,7 @@ def main(argv=None) -> int:
                 "cpus_per_rank": cpus / n, "threads_per_rank": args.threads}
         # not the GPUs a box may also have
         data["ran_on"] = f"{len(os.sched_getaffinity(0))} CPU cores (gloo ranks, {threads})"
-        path = results.save("ring", data, "\n".join(out[:-1]))
+        path = results.save("ring", data, "\n".join(out[:-1]), ranks=n, threads_per_rank=args.threads)
         print(f"saved {path}")
     return 0 if (met or not faithful) else 1
 

@@ -38,6 +38,7 @@ def parse(argv=None):
     p.add_argument("--steps", type=int, default=6, help="timed steps per job")
     p.add_argument("--warmup", type=int, default=1, help="untimed steps per job")
     p.add_argument("--repeats", type=int, default=4, help="jobs per TP degree, interleaved")
+    p.add_argument("--threads", type=int, default=1, help="intra-op threads per rank (CONTRIBUTING: threads per rank)")
     p.add_argument("--max-tp", type=int, default=8)
     p.add_argument("--quick", action="store_true", help="1 repeat of 2 steps, nothing saved: a smoke test")
     args = p.parse_args(argv)
@@ -60,7 +61,7 @@ def main(argv=None) -> int:
     degrees = [t for t in (1, 2, 4, 8) if t <= max(4, min(args.max_tp, cpus))]
     cfg = GPTConfig(vocab_size=256, seq_len=args.seq_len, n_layer=args.n_layer, n_head=8, d_model=args.d_model)
     load = os.getloadavg()[0] if hasattr(os, "getloadavg") else 0.0
-    ranks = distlab.Ranks(max(degrees), collective_timeout=120)
+    ranks = distlab.Ranks(max(degrees), collective_timeout=120, threads=args.threads)
     times = {t: [] for t in degrees}
     shares = {t: [] for t in degrees}
     wire = {}
@@ -86,7 +87,8 @@ def main(argv=None) -> int:
     gpus = ranks.backend == "nccl"  # one GPU per rank: every degree runs side by side
     faithful = {t: gpus or t <= cpus for t in degrees}
     lines = [f"TP GPT d_model={cfg.d_model} n_layer={cfg.n_layer} n_head={cfg.n_head} seq_len={cfg.seq_len}, "
-             f"batch {args.batch}, fp32, AdamW; {ranks.backend} ranks, {cpus} CPU cores; "
+             f"batch {args.batch}, fp32, AdamW; {ranks.backend} ranks ({args.threads} thread(s) each), {cpus} CPU "
+             f"cores; "
              f"{args.repeats} interleaved repeats x {args.steps} steps, medians",
              f"{'TP':>3}{'step ms':>10}{'vs TP=1':>9}{'in collectives':>16}{'sent/step MiB':>15}{'effective GB/s':>16}"]
     for t in degrees:
@@ -98,7 +100,7 @@ def main(argv=None) -> int:
     top = max([t for t in degrees if faithful[t] and t > 1] or [max(degrees)])
     summary_line = (f"TP={top} ran {step_ms[1] / step_ms[top]:.2f}x as fast as TP=1 (ideal {top}x); collectives took "
                     f"{share[top]:.0%} of its step")
-    if load > cpus and not gpus:
+    if load > results.BUSY_LOAD * max(cpus, max(degrees)) and not gpus:
         summary_line += (f"; the machine was busy (load average {load:.1f} on {cpus} cores): other programs took "
                          f"turns with the ranks, so these timings are not faithful")
     lines.append(summary_line)
@@ -112,7 +114,8 @@ def main(argv=None) -> int:
                 "load_average": load, "ran_on": None if gpus else f"{cpus} CPU cores, gloo ranks",
                 "config": {"d_model": cfg.d_model, "n_layer": cfg.n_layer, "n_head": cfg.n_head,
                            "seq_len": cfg.seq_len, "batch": args.batch, "steps": args.steps, "repeats": args.repeats}}
-        print(f"saved {results.save('tensor_parallel', data, summary)}")
+        saved = results.save("tensor_parallel", data, summary, ranks=max(degrees), threads_per_rank=args.threads)
+        print(f"saved {saved}")
     return 0
 
 

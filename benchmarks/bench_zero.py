@@ -33,6 +33,7 @@ import torch
 import distlab
 from distlab import results
 from distlab.model import GPT, GPTConfig
+from distlab.runtime.launch import default_threads
 from distlab.zero import train, train_worker
 
 TIME_TARGET = 1.3
@@ -170,7 +171,7 @@ def main(argv=None) -> int:
                 "peak_memory": memory, "memory_ratio": mem_ratio, "memory_target": MEMORY_TARGET,
                 "comm_wire_bytes_per_step": comm, "scaling": scale, "gpu": on_gpu, "world_size": n,
                 "oversubscribed": n > cores, "n_params": params, "config": vars(args)}
-        path = results.save("zero", data, summary)
+        path = results.save("zero", data, summary, ranks=n, threads_per_rank=default_threads(n))
         print(f"saved {path}")
     return 0 if time_met and mem_met else 1
 

@@ -13,6 +13,7 @@ import sys
 
 from distlab.claims import ClaimFailed, claim
 from distlab.grading import check, needs
+from distlab.runtime import trace
 from distlab.runtime.launch import (
     CollectiveTimeout,
     LaunchError,
@@ -24,16 +25,17 @@ from distlab.runtime.launch import (
     ReturnValueError,
     Run,
     UnmatchedCommunication,
+    last_run,
     launch,
     shutdown,
 )
 from distlab.runtime.rank import device
-from distlab.runtime.timeline import span
+from distlab.runtime.timeline import counter, span
 
 __all__ = [
     "check", "needs", "claim", "ClaimFailed", "launch", "Ranks", "Run", "shutdown", "device", "span",
     "LaunchError", "RankFailed", "RankCrashed", "CollectiveTimeout", "LaunchTimeout", "LaunchInterrupted",
-    "UnmatchedCommunication", "ReturnValueError",
+    "UnmatchedCommunication", "ReturnValueError", "last_run", "counter", "trace",
 ]
 
 # Modules that moved when the package was laid out as runtime / topics / grading. Notebooks, scripts and

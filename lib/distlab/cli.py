@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import secrets
 import sys
 import time
 from importlib import metadata
@@ -21,6 +22,7 @@ from distlab.grading.classroom import (
     format_report,
     grade_notebooks,
 )
+from distlab.grading.release import read_roster, read_secret, release
 from distlab.grading.submissions import (
     collect,
     content_hash,
@@ -35,6 +37,7 @@ from distlab.notebooks import build_labs, execute, tag_grader_skips
 
 # Subcommands that own their argument parsing: name -> "module:function(argv) -> int".
 DELEGATED = {"data": "distlab.data.cli:main", "doctor": "distlab.doctor:main"}
+DELEGATED["plan"] = "distlab.torchrun:plan_main"  # the planner's layout as torchrun and SLURM lines
 
 
 def _delegate(target: str, argv: list[str]) -> int:
@@ -93,6 +96,12 @@ def _grade(args) -> int:
     except ValueError as error:
         print(f"distlab grade: {error}", file=sys.stderr)
         return 2
+    try:
+        secret = read_secret(args.secret_file) if args.secret_file else None
+    except ValueError as error:
+        print(f"distlab grade: {error}", file=sys.stderr)
+        return 2
+    seed = args.seed if args.seed is not None else secrets.randbelow(10**9)  # fresh hidden cases per grading run
     started = time.perf_counter()
 
     def progress(done: int, total: int, grade) -> None:
@@ -109,7 +118,8 @@ def _grade(args) -> int:
     print(f"grading {len(todo)} notebook(s){f' ({len(kept)} unchanged since the last report)' if kept else ''}, "
           f"{jobs or 'auto'} at a time, at most {args.timeout:g} s each …", file=sys.stderr, flush=True)
     grades = grade_notebooks([p for p, _ in todo], timeout=args.timeout, jobs=jobs, warm=not args.cold,
-                             progress=progress, students=[s for _, s in todo], all_cells=args.all_cells) if todo else []
+                             progress=progress, students=[s for _, s in todo], all_cells=args.all_cells,
+                             secret=secret, seed=seed) if todo else []
     for grade in grades + kept:
         if deadline is not None:
             grade.submitted = times[grade.student].isoformat()
@@ -117,7 +127,9 @@ def _grade(args) -> int:
     report = class_report(grades + kept, threshold=args.threshold, min_pass=args.min_pass)
     report["wall_seconds"] = round(time.perf_counter() - started, 1)
     report["deadline"] = deadline.isoformat() if deadline else None
+    report["seed"] = seed
     print(format_report(report, answers=args.answers))
+    print(f"hidden cases drawn with --seed {seed} (pass it to regrade on the same cases)")
     print(f"graded {len(grades)} in {report['wall_seconds']:.0f} s" + (f"; {len(kept)} unchanged" if kept else ""))
     if args.json:
         Path(args.json).write_text(json.dumps(report, indent=1, ensure_ascii=False) + "\n", encoding="utf-8")
@@ -128,6 +140,21 @@ def _grade(args) -> int:
     if args.feedback:
         write_feedback(report, args.feedback)
     return 0 if report["ok"] else 1
+
+
+def _release(args) -> int:
+    """Write one notebook per student and lab, its quiz asking that student's numbers (grading/release.py)."""
+    students = (args.students or []) + (read_roster(args.roster) if args.roster else [])
+    try:
+        if not students:
+            raise ValueError("name the students (--students NAME ..., or --roster FILE with one name a line)")
+        written = release(args.paths, students, read_secret(args.secret_file), args.out)
+    except (ValueError, OSError) as error:
+        print(f"distlab release: {error}", file=sys.stderr)
+        return 2
+    print(f"released {len(args.paths)} notebook(s) to {len(students)} student(s): {len(written)} files under "
+          f"{Path(args.out)}/; grade them with the same --secret-file")
+    return 0
 
 
 def _lock_drift(args) -> int:
@@ -211,7 +238,24 @@ def parser() -> argparse.ArgumentParser:
                        help="show each failed quiz question's key in the report (for instructors, after the deadline)")
     grade.add_argument("--cold", action="store_true",
                        help="start every kernel from scratch instead of forking warm ones")
+    grade.add_argument("--secret-file", metavar="FILE",
+                       help="the course secret the notebooks were released with (distlab release): each student's "
+                            "quiz numbers are derived from it and their name, and their answers marked here")
+    grade.add_argument("--seed", type=int, metavar="N",
+                       help="seed of the checks' hidden cases (default: a fresh one per run, printed and saved in "
+                            "the report; pass it to regrade on the same cases)")
     grade.set_defaults(run=_grade)
+
+    rel = sub.add_parser("release", help="write one notebook per student, its quiz asking that student's numbers")
+    rel.add_argument("paths", nargs="+", metavar="NOTEBOOK", help="lab notebooks as handed out (labs/NN_*.ipynb)")
+    rel.add_argument("--students", nargs="+", metavar="NAME", help="student names (their submission folders)")
+    rel.add_argument("--roster", metavar="FILE", help="student names, one a line")
+    rel.add_argument("--secret-file", required=True, metavar="FILE",
+                     help="the course secret (make one: python -c \"import secrets; print(secrets.token_hex(32))\""
+                          " > course.secret); keep it from students and grade with it")
+    rel.add_argument("--out", default="release", metavar="DIR",
+                     help="writes DIR/<student>/<notebook> (default: release)")
+    rel.set_defaults(run=_release)
 
     drift = sub.add_parser("lock-drift", help="list installed packages whose versions differ from the lock")
     drift.add_argument("lock", nargs="?", default="requirements.lock")

@@ -42,6 +42,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
+from distlab.flops import step_report
 from distlab.model import GPT, GPTConfig, synthetic_batch
 from distlab.reference import make_optimizer
 from distlab.runtime import comm
@@ -587,7 +588,8 @@ def train_worker(variant: str = "overlapped", cfg: GPTConfig | None = None, step
                  accum: int = 1, seed: int = 0, data_seed: int = 0, optimizer: str = "sgd", lr: float = 0.1,
                  bucket_cap_bytes: int = DEFAULT_BUCKET_CAP_BYTES, model: str = "gpt", warmup: int = 0,
                  return_state: bool = True, ddp_factory: Callable | None = None, step_fn: Callable | None = None,
-                 set_to_none: bool = True, find_unused_parameters: bool | None = None) -> dict:
+                 set_to_none: bool = True, find_unused_parameters: bool | None = None,
+                 on_step: Callable | None = None) -> dict:
     """Train on this rank (inside ``distlab.launch``/``Ranks.run`` or torchrun) and report.
 
     Rank 0 builds its model with ``seed``, the others with different seeds, so the
@@ -596,7 +598,8 @@ def train_worker(variant: str = "overlapped", cfg: GPTConfig | None = None, step
     variant (a student's class), ``step_fn(ddp, optimizer, micro_batches)`` replaces
     :func:`train_step`. ``warmup`` extra steps run first and are not timed.
     ``find_unused_parameters`` defaults to True for torch's DDP on the edge-case model
-    (which it needs) and False otherwise.
+    (which it needs) and False otherwise. ``on_step(step, loss, seconds)`` is called after
+    every step, warm-up included (a torchrun job's per-step line).
 
     Returns ``losses``, ``step_times`` (seconds, barrier to barrier, after warmup),
     ``state`` (the final ``state_dict``), ``grad_bytes`` and ``n_buckets``.
@@ -621,8 +624,11 @@ def train_worker(variant: str = "overlapped", cfg: GPTConfig | None = None, step
         start = time.perf_counter()
         losses.append(float(step_fn(ddp, opt, micro)))
         dist.barrier()
+        elapsed = time.perf_counter() - start
         if step >= warmup:
-            times.append(time.perf_counter() - start)
+            times.append(elapsed)
+        if on_step is not None:
+            on_step(step, losses[-1], elapsed)
     buckets = getattr(ddp, "buckets", None)
     return {
         "rank": rank, "variant": variant if ddp_factory is None else "custom", "losses": losses,
@@ -681,12 +687,16 @@ def reference_run(cfg: GPTConfig | None = None, steps: int = 3, batch_size: int 
 def train(steps: int = 20, variant: str = "overlapped", batch_size: int = 8, accum: int = 1,
           n_layer: int = 2, d_model: int = 128, n_head: int = 4, vocab_size: int = 256, seq_len: int = 64,
           bucket_mb: float = 25.0, optimizer: str = "adamw", lr: float = 1e-3, seed: int = 0,
-          warmup: int = 2, log_every: int = 0) -> dict:
+          warmup: int = 2, log_every: int = 0, peak: float | str = "measured", ddp_factory: Callable | None = None,
+          step_fn: Callable | None = None, name: str = "ddp") -> dict:
     """Train the lab's GPT with one DDP variant; the entry point for torchrun.
 
     ``batch_size`` is per rank and micro-step (as in most torchrun scripts): the global
     batch is ``batch_size · accum · world_size``. Returns this rank's summary: first and
     last loss, median step time, tokens/s over all ranks and all-reduce bytes per step.
+    ``log_every=k`` (torchrun's default is 1): rank 0 prints every k-th step's loss (its own
+    shard's), tokens/s and MFU against ``peak`` (:func:`distlab.flops.resolve_peak`), then a summary.
+    ``ddp_factory``/``step_fn`` as in :func:`train_worker` (the FP8 worker's way in).
     """
     _require_process_group()
     steps, accum, warmup = int(steps), int(accum), int(warmup)
@@ -694,14 +704,12 @@ def train(steps: int = 20, variant: str = "overlapped", batch_size: int = 8, acc
                     d_model=int(d_model))
     world = dist.get_world_size()
     global_size = int(batch_size) * accum * world
+    report = step_report(name, cfg, warmup + steps, global_size * cfg.seq_len, log_every, peak, warmup)
     before = comm.snapshot()
     result = train_worker(variant, cfg, steps=steps, batch_size=global_size, accum=accum, seed=int(seed),
                           optimizer=optimizer, lr=float(lr), bucket_cap_bytes=int(float(bucket_mb) * 2**20),
-                          warmup=warmup, return_state=False)
-    if log_every and dist.get_rank() == 0:
-        for i, loss in enumerate(result["losses"]):
-            if i % int(log_every) == 0 or i == len(result["losses"]) - 1:
-                print(f"step {i:4d}  loss {loss:.4f}", flush=True)
+                          warmup=warmup, return_state=False, ddp_factory=ddp_factory, step_fn=step_fn,
+                          on_step=report.step if report else None)
     payload = comm.since(before).total("payload_bytes", "all_reduce")
     step_time = statistics.median(result["step_times"]) if result["step_times"] else float("nan")
     return {
@@ -709,5 +717,6 @@ def train(steps: int = 20, variant: str = "overlapped", batch_size: int = 8, acc
         "loss_last": round(result["losses"][-1], 4), "step_time_s": round(step_time, 4),
         "tokens_per_s": round(global_size * cfg.seq_len / step_time, 1),
         "allreduce_bytes_per_step": payload / (steps + warmup) if variant != "torch" else None,
-        "grad_bytes": result["grad_bytes"],
+        "grad_bytes": result["grad_bytes"], "losses": result["losses"],
+        **({"mfu": report.finish()["mfu"]} if report else {}),
     }

@@ -16,11 +16,13 @@ import time
 from dataclasses import dataclass
 
 import torch
+import torch.distributed as dist
 
 from distlab.model import GPTConfig, count_params, flops_per_token
+from distlab.runtime.rank import device as rank_device
 
 __all__ = ["FlopsBreakdown", "model_flops_per_token", "MatmulPeak", "measure_matmul_peak", "mfu", "hfu",
-           "PEAK_FLOPS", "tokens_per_second", "format_flops"]
+           "PEAK_FLOPS", "tokens_per_second", "format_flops", "resolve_peak", "StepReport", "step_report"]
 
 # Dense (no sparsity) datasheet peaks in FLOP/s.
 PEAK_FLOPS = {
@@ -138,3 +140,96 @@ def format_flops(value: float) -> str:
         if abs(value) >= scale:
             return f"{value / scale:.2f} {unit}"
     return f"{value:.0f} FLOP"
+
+
+# ---------------------------------------------------------------- what a training job prints per step
+
+def resolve_peak(peak: float | str = "measured", device: str | torch.device = "cpu") -> tuple[float, str]:
+    """The per-device peak an MFU is taken against, and how it was found.
+
+    ``peak`` is a number of FLOP/s (a datasheet you trust), a key of :data:`PEAK_FLOPS`, or
+    ``"measured"``: :func:`measure_matmul_peak` on ``device`` now (bf16 on a GPU, fp32 on a CPU, short
+    sizes on a CPU so a job starts at once) — the ceiling this machine really reaches.
+    """
+    if isinstance(peak, (int, float)) and not isinstance(peak, bool):
+        if peak <= 0:
+            raise ValueError(f"peak must be a positive number of FLOP/s, got {peak!r}")
+        return float(peak), f"stated {format_flops(peak)}/s"
+    if peak in PEAK_FLOPS:
+        return PEAK_FLOPS[peak], f"{peak} datasheet"
+    if peak != "measured":
+        raise ValueError(f"peak must be FLOP/s, 'measured' or one of {', '.join(PEAK_FLOPS)}; got {peak!r}")
+    device = torch.device(device)
+    if device.type == "cuda":
+        found = measure_matmul_peak(sizes=(2048, 4096, 8192), dtype=torch.bfloat16, device=device, min_seconds=0.1)
+    else:
+        found = measure_matmul_peak(sizes=(128, 256, 512), device=device, min_seconds=0.02)
+    return found.flops, f"measured {found.dtype} matmul peak {format_flops(found.flops)}/s"
+
+
+class StepReport:
+    """One line per optimizer step and a final summary: what someone watching a cluster job reads.
+
+    ``tokens_per_step`` counts every rank's tokens; ``flops_per_token`` is the model's
+    (:func:`model_flops_per_token`), so MFU = FLOPs/token · tokens/s / (``peak_flops`` · ``devices``).
+    ``every`` prints every k-th step and the last (0 prints nothing: a notebook's default); only
+    the process with ``show`` prints (rank 0). Steps below ``warmup`` are printed but not counted
+    in the summary's medians. ``peak_flops=None`` (a rank that prints nothing) reports no MFU.
+    """
+
+    def __init__(self, name: str, steps: int, tokens_per_step: int, flops_per_token: float, peak_flops: float | None,
+                 peak_name: str, devices: int, every: int = 1, warmup: int = 0, show: bool = True):
+        self.name, self.steps, self.tokens, self.flops_per_token = name, steps, tokens_per_step, flops_per_token
+        self.peak_flops, self.peak_name, self.devices = peak_flops, peak_name, devices
+        self.every, self.warmup, self.show = int(every), warmup, show and int(every) > 0
+        self.losses: list[float] = []
+        self.seconds: list[float] = []
+
+    def line(self, step: int, loss: float, seconds: float) -> str:
+        rate = self.tokens / seconds
+        value = mfu(self.flops_per_token, rate, self.peak_flops * self.devices)
+        tag = " (warm-up)" if step < self.warmup else ""
+        return (f"[{self.name}] step {step + 1}/{self.steps}  loss {loss:.4f}  {rate:,.0f} tokens/s  "
+                f"MFU {100 * value:.2f}%  {1000 * seconds:.1f} ms{tag}")
+
+    def step(self, step: int, loss: float, seconds: float) -> None:
+        self.losses.append(float(loss))
+        self.seconds.append(float(seconds))
+        if self.show and (step % self.every == 0 or step == self.steps - 1):
+            print(self.line(step, loss, seconds), flush=True)
+
+    def summary(self) -> dict:
+        if not self.seconds:  # a resumed job that found its last step already done
+            return {"steps": 0, "mfu": None, "peak": self.peak_name}
+        timed = self.seconds[self.warmup:] or self.seconds
+        median = sorted(timed)[len(timed) // 2]
+        rate = self.tokens / median
+        return {"steps": len(self.losses), "loss_first": round(self.losses[0], 4),
+                "loss_last": round(self.losses[-1], 4), "step_time_s": round(median, 4),
+                "tokens_per_s": round(rate, 1),
+                "mfu": round(mfu(self.flops_per_token, rate, self.peak_flops * self.devices), 6)
+                if self.peak_flops else None, "peak": self.peak_name}
+
+    def finish(self) -> dict:
+        """Print the final summary line (when showing) and return it as a dict."""
+        out = self.summary()
+        if self.show and out["steps"]:
+            print(f"[{self.name}] done: {out['steps']} steps, loss {out['loss_first']:.4f} → {out['loss_last']:.4f}, "
+                  f"median {1000 * out['step_time_s']:.1f} ms/step, {out['tokens_per_s']:,.0f} tokens/s, "
+                  f"MFU {100 * out['mfu']:.2f}% of {self.devices} × {out['peak']}", flush=True)
+        return out
+
+
+def step_report(name: str, cfg: GPTConfig, steps: int, tokens_per_step: int, every: int = 0,
+                peak: float | str = "measured", warmup: int = 0) -> StepReport | None:
+    """A :class:`StepReport` for this rank's training job, or None when ``every`` is 0 (nothing to print).
+
+    Only rank 0 prints, so only rank 0 resolves the peak (a measurement takes a fraction of a second).
+    """
+    if not int(every):
+        return None
+    rank = dist.get_rank() if dist.is_initialized() else 0
+    devices = dist.get_world_size() if dist.is_initialized() else 1
+    peak_flops, peak_name = resolve_peak(peak, rank_device()) if rank == 0 else (None, "not measured off rank 0")
+    return StepReport(name, steps, tokens_per_step, model_flops_per_token(cfg).total, peak_flops, peak_name,
+                      devices, every=every, warmup=warmup, show=rank == 0)

@@ -147,9 +147,11 @@ def test_right_answer_passes(exercise):
 
 
 def test_demos_do_not_give_the_quiz_away():
-    """Q6.1-Q6.4's keys are not what the notebook prints for its demos (issue 27 item 8)."""
+    """Q6.1-Q6.4's keys are not what the notebook prints for its demos (issue 27 item 8). Timings (cells outside
+    nbval's comparison) change with every run and may meet a key's digits by chance: they give nothing away."""
     printed = "".join(o.get("text", "") for c in nbformat.read(NOTEBOOK, as_version=4).cells
-                      if c.cell_type == "code" and "distlab.check(\"Q" not in c.source for o in c.get("outputs", []))
+                      if c.cell_type == "code" and "distlab.check(\"Q" not in c.source
+                      and not c.source.startswith("# NBVAL_IGNORE_OUTPUT") for o in c.get("outputs", []))
     for question in lab06.EXERCISES:
         if question.id in ("Q6.1", "Q6.3"):
             assert f"{question.answer:.4f}" not in printed and f"{question.answer:.3f}" not in printed, question.id

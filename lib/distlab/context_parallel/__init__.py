@@ -52,6 +52,7 @@ from distlab.context_parallel.ring import (
     ring_attention_forward,
     ring_pass,
 )
+from distlab.context_parallel.train import train
 from distlab.context_parallel.ulysses import (
     heads_to_seq,
     seq_to_heads,
@@ -66,5 +67,5 @@ __all__ = [
     "attention_block_backward", "merge_attention", "online_softmax_attention", "blockwise_attention", "ring_pass",
     "ring_attention_forward", "ring_attention_backward", "RingAttention", "ring_attention", "seq_to_heads",
     "heads_to_seq", "ulysses_attention", "usp_groups", "usp_positions", "usp_attention", "PeakMemory", "verify",
-    "ring_bytes", "ulysses_bytes", "hidden_transfer_tokens", "LINK_BANDWIDTH",
+    "ring_bytes", "ulysses_bytes", "hidden_transfer_tokens", "LINK_BANDWIDTH", "train",
 ]

@@ -66,6 +66,7 @@ from distlab.fault_tolerance.resume import (
     make_training,
     resumable_train,
     run_with_restarts,
+    train,
     train_step_ddp,
 )
 from distlab.fault_tolerance.stragglers import find_stragglers, pace_by_rank, straggler_steps
@@ -78,6 +79,7 @@ __all__ = [
     "find_divergent_replicas", "fingerprint", "grad_norm_outliers", "hang_suspects", "local_grad_norm",
     "DyingWriter", "Fault", "corrupt_file", "die", "flip_bit", "flip_bit_on_disk", "hang_in_recv", "SpikeGuard",
     "diagnose_nonfinite", "guarded_train", "masked_cross_entropy", "MetricsLog", "RestartReport", "ShuffledOrder",
+    "train",
     "TrainSetup", "make_training", "resumable_train", "run_with_restarts", "train_step_ddp", "find_stragglers",
     "pace_by_rank", "straggler_steps",
 ]

@@ -37,12 +37,13 @@ from distlab.fault_tolerance.checkpoint import (
     save_checkpoint,
 )
 from distlab.fault_tolerance.faults import Fault
+from distlab.flops import step_report
 from distlab.model import GPT, GPTConfig, synthetic_batch
 from distlab.runtime.launch import CollectiveTimeout, RankCrashed, launch
 from distlab.runtime.rank import device
 
 __all__ = ["ShuffledOrder", "MetricsLog", "TrainSetup", "make_training", "train_step_ddp",
-           "resumable_train", "Attempt", "RestartReport", "run_with_restarts"]
+           "resumable_train", "Attempt", "RestartReport", "run_with_restarts", "train"]
 
 
 # ---------------------------------------------------------------- data order
@@ -180,13 +181,13 @@ def train_step_ddp(setup: TrainSetup, indices: torch.Tensor) -> float:
 
 def resumable_train(ckpt_dir: str, steps: int, save_every: int, *, attempt: int = 0, fault: Fault | None = None,
                     async_save: bool = False, cfg: GPTConfig | None = None, batch_size: int = 8, lr: float = 3e-3,
-                    seed: int = 0, data_seed: int = 0, n_items: int = 64) -> dict:
+                    seed: int = 0, data_seed: int = 0, n_items: int = 64, on_step: Callable | None = None) -> dict:
     """Train to ``steps``, resuming from the latest committed checkpoint in ``ckpt_dir``; save every ``save_every``.
 
     Runs on every rank. Rank 0 appends each step's loss to ``ckpt_dir/metrics.jsonl``
     tagged with ``attempt``. A checkpoint named ``step_k`` holds the state after ``k``
     updates, so a resumed job starts with step ``k``. Returns where it started and the
-    losses it computed, by step.
+    losses it computed, by step. ``on_step(step, loss, seconds)`` is called after every step.
     """
     setup = make_training(cfg, batch_size, lr, seed, data_seed, n_items)
     rank = dist.get_rank()
@@ -199,7 +200,10 @@ def resumable_train(ckpt_dir: str, steps: int, save_every: int, *, attempt: int 
     for step in range(start, steps):
         if fault is not None:
             fault.maybe_kill(rank, step)
+        started = time.perf_counter()
         losses[step] = train_step_ddp(setup, setup.order.next_batch())
+        if on_step is not None:
+            on_step(step, losses[step], time.perf_counter() - started)
         if rank == 0:
             log.append(attempt=attempt, step=step, loss=losses[step])
         setup.state.step = step + 1
@@ -282,3 +286,46 @@ def run_with_restarts(worker: Callable, world_size: int, ckpt_dir: str, *, kwarg
         report.run = run
         return report
     raise RuntimeError(f"the job failed {max_restarts + 1} times in a row; last: {report.attempts[-1].outcome}")
+
+
+# ---------------------------------------------------------------- under torchrun, which is the supervisor
+
+def train(ckpt_dir: str = "checkpoints", steps: int = 20, save_every: int = 5, batch_size: int = 8, n_layer: int = 2,
+          d_model: int = 64, n_head: int = 4, vocab_size: int = 256, seq_len: int = 64, lr: float = 3e-3,
+          seed: int = 0, async_save: bool = False, kill_rank: int = -1, kill_step: int = -1, log_every: int = 0,
+          peak: float | str = "measured") -> dict:
+    """The resumable job under torchrun, whose agent restarts the group after a rank dies::
+
+        torchrun --nproc-per-node=4 --max-restarts=3 -m distlab.torchrun distlab.fault_tolerance:train \\
+            ckpt_dir=/shared/ckpt steps=1000 save_every=50
+
+    The attempt is torchrun's ``TORCHELASTIC_RESTART_COUNT``; every attempt resumes from the latest
+    committed checkpoint in ``ckpt_dir`` (a directory every node sees), so losses continue bit for bit.
+    ``kill_rank``/``kill_step``: a :class:`Fault` SIGKILLs that rank at that step of the first attempt (a
+    rehearsal of the real thing). ``batch_size`` is the global batch. ``log_every=k`` (torchrun's default
+    is 1): rank 0 says where it resumed and prints every k-th step (loss, tokens/s, MFU against ``peak``).
+    """
+    cfg = GPTConfig(vocab_size=int(vocab_size), seq_len=int(seq_len), n_layer=int(n_layer), n_head=int(n_head),
+                    d_model=int(d_model))
+    world, rank = dist.get_world_size(), dist.get_rank()
+    if int(save_every) < 1:
+        raise ValueError(f"save_every={save_every} must be at least 1 step")
+    if int(batch_size) % world:
+        raise ValueError(f"global batch {batch_size} is not divisible by world_size {world}")
+    if int(kill_step) >= 0 and not 0 <= int(kill_rank) < world:
+        raise ValueError(f"kill_rank={kill_rank} is not one of the {world} ranks")
+    attempt = int(os.environ.get("TORCHELASTIC_RESTART_COUNT", 0))
+    fault = Fault(int(kill_rank), int(kill_step)) if int(kill_step) >= 0 and attempt == 0 else None
+    latest = latest_checkpoint(ckpt_dir)
+    report = step_report(f"resumable dp-{world}", cfg, int(steps), int(batch_size) * cfg.seq_len, log_every, peak)
+    if report and rank == 0:
+        where = f"resuming from {latest.name}" if latest is not None else "starting fresh"
+        print(f"[resumable dp-{world}] attempt {attempt}: {where} in {ckpt_dir}", flush=True)
+    out = resumable_train(ckpt_dir, int(steps), int(save_every), attempt=attempt, fault=fault,
+                          async_save=bool(async_save), cfg=cfg, batch_size=int(batch_size), lr=float(lr),
+                          seed=int(seed), on_step=report.step if report else None)
+    result = {"rank": rank, "attempt": attempt, "start": out["start"],
+              "losses": [out["losses"][k] for k in sorted(out["losses"])]}
+    if report:
+        result["mfu"] = report.finish()["mfu"]
+    return result

@@ -42,6 +42,7 @@ from distlab.fp8.training import (
     final_loss,
     half_precision,
     matmul_throughput,
+    train,
     train_recipe,
 )
 
@@ -52,5 +53,5 @@ __all__ = [
     "emulated_scaled_mm", "fp8_matmul", "scale_kind", "scaled_mm_support", "TILE", "DelayedScaling",
     "accumulation_error", "dequantize", "expand_scale", "gradient_underflow", "quantize",
     "snr_db", "RECIPES", "TrainResult", "compute_device", "final_loss", "half_precision", "matmul_throughput",
-    "train_recipe",
+    "train_recipe", "train",
 ]

@@ -25,14 +25,17 @@ from dataclasses import dataclass, field
 
 import torch
 
+from distlab.data_parallel import make_ddp, train_step
+from distlab.data_parallel import train as train_data_parallel
 from distlab.fp8.linear import Float8Linear, convert_to_float8
 from distlab.fp8.matmul import fp8_matmul, scaled_mm_support
 from distlab.fp8.scaling import quantize
 from distlab.model import GPT, GPTConfig, synthetic_batch
 from distlab.reference import make_optimizer
+from distlab.runtime.rank import device as rank_device
 
 __all__ = ["RECIPES", "TrainResult", "train_recipe", "compute_device", "half_precision", "matmul_throughput",
-           "final_loss"]
+           "final_loss", "train"]
 
 RECIPES = ("fp32", "bf16", "fp16", "fp16+scaler", "fp8")
 _AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp16+scaler": torch.float16,
@@ -208,3 +211,39 @@ def _quantized(a: torch.Tensor, w: torch.Tensor):
     aq, sa = quantize(a, "e4m3")
     wq, sw = quantize(w, "e4m3")
     return aq, wq.t(), sa, sw
+
+
+def train(steps: int = 10, recipe: str = "fp8", batch_size: int = 4, n_layer: int = 2, d_model: int = 64,
+          n_head: int = 4, vocab_size: int = 256, seq_len: int = 64, lr: float = 3e-3, seed: int = 0, warmup: int = 1,
+          path: str = "auto", log_every: int = 0, peak: float | str = "measured") -> dict:
+    """Train the lab's GPT data-parallel under a precision recipe; the entry point for torchrun::
+
+        torchrun --nproc-per-node=8 -m distlab.torchrun distlab.fp8:train recipe=fp8 steps=100
+
+    Lab 03's overlapped DDP (:func:`distlab.data_parallel.train`) around a GPT whose block linears are
+    :class:`Float8Linear` (``recipe="fp8"``), each step's forward and backward under the recipe's autocast;
+    gradients and AdamW stay float32, so DDP reduces them as always. ``fp16+scaler`` is left out: a loss
+    scaler must skip a step on every rank together. ``batch_size`` is per rank. Returns data_parallel's
+    summary with the layers converted; ``log_every=k`` (torchrun's default is 1): rank 0 prints every k-th
+    step and a summary, MFU against ``peak`` (measured: bf16 matmuls, FP8's are up to twice as fast).
+    """
+    if recipe not in RECIPES or recipe == "fp16+scaler":
+        runs = ", ".join(r for r in RECIPES if r != "fp16+scaler")
+        raise ValueError(f"recipe={recipe!r}; the data-parallel worker runs {runs}")
+    dtype = _AUTOCAST[recipe]
+    dev = rank_device()
+    converted = []
+
+    def make(module, bucket_cap_bytes):
+        if recipe == "fp8":
+            converted[:] = convert_to_float8(module, path=path)
+        return make_ddp("overlapped", module, bucket_cap_bytes)
+
+    def step(ddp, optimizer, micro_batches):
+        with torch.autocast(dev.type, dtype=dtype or torch.float32, enabled=dtype is not None):
+            return train_step(ddp, optimizer, micro_batches)
+
+    out = train_data_parallel(steps=steps, batch_size=batch_size, n_layer=n_layer, d_model=d_model, n_head=n_head,
+                              vocab_size=vocab_size, seq_len=seq_len, lr=lr, seed=seed, warmup=warmup,
+                              log_every=log_every, peak=peak, ddp_factory=make, step_fn=step, name=f"{recipe} dp")
+    return dict(out, variant=f"overlapped, {recipe}", converted=len(converted))

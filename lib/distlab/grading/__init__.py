@@ -40,6 +40,7 @@ class CheckResult:
     max_points: int
     detail: str
     label: str = ""  # "Exercise 2.1" or "Question Q2.1"
+    given: float | None = None  # a varied quiz question's answer, which the grader marks itself (grading/quiz.py)
 
     def _ipython_display_(self) -> None:
         """``check`` already printed the line; a bare call at the end of a cell shows nothing more."""
@@ -76,7 +77,10 @@ def check(exercise_id: str, *student_code, quiet: bool = False) -> CheckResult:
             status, points, detail = "not attempted", 0, ""
         else:
             status, points, detail = "failed", 0, f"raised {describe_error(error)}"
-    result = CheckResult(exercise.id, exercise.title, status, points, exercise.points, detail, exercise.label)
+    from distlab.grading.quiz import answer_given  # noqa: PLC0415  quiz imports this module
+
+    result = CheckResult(exercise.id, exercise.asked, status, points, exercise.points, detail, exercise.label,
+                         answer_given(exercise, student_code))
     _ledger[exercise.id] = result
     if not quiet:
         print(result.line())

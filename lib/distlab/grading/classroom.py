@@ -30,7 +30,8 @@ from nbclient.exceptions import CellTimeoutError, DeadKernelError
 from nbclient.util import ensure_async
 
 from distlab.grading.cells import cells_to_skip
-from distlab.grading.harness import first_line
+from distlab.grading.harness import GRADE_SEED_VARIABLE, first_line
+from distlab.grading.quiz import remark
 from distlab.grading.registry import all_exercises, exercises_of_lab, lab_modules, sort_key
 from distlab.grading.submissions import MARKS, content_hash
 from distlab.runtime.kernels import KernelFactory, kernel_manager_class, notebook_client
@@ -63,6 +64,7 @@ class NotebookGrade:
     late: bool | None = None  # submitted after the deadline (None: no deadline given)
     reused: bool = False  # taken from the previous report (``--changed``): same student, same content
     skipped_cells: int = 0  # demo and benchmark cells no check needs, left out (:mod:`distlab.grading.cells`)
+    seed: int | None = None  # the seed of the hidden cases it was graded on (``distlab grade --seed`` replays it)
 
     @property
     def points(self) -> int:
@@ -148,8 +150,9 @@ def _tampering(notebook: nbformat.NotebookNode) -> str | None:
 
 
 async def _grade_one(path: Path, student: str, manager_class, timeout: float, cell_timeout: float | None,
-                     expected: dict, all_cells: bool) -> NotebookGrade:
-    grade = NotebookGrade(str(path), student, sha256=content_hash(path) if path.is_file() else "")
+                     expected: dict, all_cells: bool, secret: bytes | None = None,
+                     seed: int | None = None) -> NotebookGrade:
+    grade = NotebookGrade(str(path), student, sha256=content_hash(path) if path.is_file() else "", seed=seed)
     started = time.monotonic()
     deadline = started + timeout
     running: dict = {"cell": None, "started": {}, "seconds": {}}
@@ -176,7 +179,8 @@ async def _grade_one(path: Path, student: str, manager_class, timeout: float, ce
         try:
             skip = set() if all_cells else cells_to_skip(notebook)
             grade.skipped_cells = len(skip)
-            results, stopped = await _run_then_ask(client, dict(os.environ), skip)
+            env = dict(os.environ) if seed is None else {**os.environ, GRADE_SEED_VARIABLE: str(seed)}
+            results, stopped = await _run_then_ask(client, env, skip)
             reported = {r["id"]: r for r in results or []}
             if stopped is not None:
                 over = "its time limit" if time.monotonic() >= deadline - 1 else "the cell time limit"
@@ -200,6 +204,8 @@ async def _grade_one(path: Path, student: str, manager_class, timeout: float, ce
             grade.exercises.append({"id": e.id, "title": e.title, "status": "not run", "points": 0,
                                     "max_points": e.points, "detail": "its check cell never ran",
                                     "label": e.label})
+    if secret is not None:  # varied quiz questions: marked here, against the student's numbers
+        grade.exercises = [remark(entry, student, secret) for entry in grade.exercises]
     grade.seconds = time.monotonic() - started
     if running["started"]:
         grade.startup = min(running["started"].values()) - started
@@ -210,8 +216,13 @@ async def _grade_one(path: Path, student: str, manager_class, timeout: float, ce
 
 def grade_notebooks(paths, timeout: float = DEFAULT_TIMEOUT, jobs: int | None = None, warm: bool = True,
                     cell_timeout: float | None = None, progress=None,
-                    students: list[str] | None = None, all_cells: bool = False) -> list[NotebookGrade]:
+                    students: list[str] | None = None, all_cells: bool = False, secret: bytes | None = None,
+                    seed: int | None = None) -> list[NotebookGrade]:
     """Execute each notebook headless (``jobs`` at a time, each within ``timeout`` seconds) and total its checks.
+
+    ``seed`` (the grader's, fresh per grading run) draws every check's hidden cases; without it they are the
+    fixed self-study ones. With the course ``secret`` each varied quiz question is marked against the student's
+    own numbers (:func:`~distlab.grading.quiz.remark`), whatever the notebook asked.
 
     ``warm`` forks every kernel from one :class:`KernelFactory` (Linux); ``progress(done, total, grade)``
     is called as each notebook finishes. Exercises of the notebook's lab that no check reported (a
@@ -237,7 +248,8 @@ def grade_notebooks(paths, timeout: float = DEFAULT_TIMEOUT, jobs: int | None = 
             async with gate:
                 number = lab_number(path)
                 grade = await _grade_one(path, name, manager_class, timeout, cell_timeout,
-                                         exercises_of_lab(number) if number is not None else {}, all_cells)
+                                         exercises_of_lab(number) if number is not None else {}, all_cells,
+                                         secret, seed)
             done.append(grade)
             if progress:
                 progress(len(done), len(paths), grade)
@@ -278,9 +290,12 @@ def class_report(grades: list[NotebookGrade], threshold: float = DEFAULT_THRESHO
                               fraction=round(g.fraction, 4), passed=g.fraction >= threshold - 1e-9,
                               seconds=round(g.seconds, 1), startup=round(g.startup, 2)))
     exercises = {}
+    known = all_exercises()
     for g in grades:
         for e in g.exercises:
-            row = exercises.setdefault(e["id"], {"id": e["id"], "title": e["title"], "max_points": e["max_points"],
+            varied = known[e["id"]].variation if e["id"] in known else None
+            title = varied.template if varied is not None else e["title"]  # "... on {ranks} ranks": per student
+            row = exercises.setdefault(e["id"], {"id": e["id"], "title": title, "max_points": e["max_points"],
                                                  "passed": 0, "failed": 0, "not attempted": 0, "not run": 0})
             row[e["status"]] = row.get(e["status"], 0) + 1
     for row in exercises.values():
@@ -310,7 +325,8 @@ def format_report(report: dict, answers: bool = False) -> str:
     hardest to easiest, each failure's reason, and the verdict with the threshold it applied.
 
     A failed quiz question shows its hint, never its key; ``answers`` (``distlab grade --answers``, for an
-    instructor after the deadline) adds the key beside each wrong answer."""
+    instructor after the deadline) adds the key beside each wrong answer: the student's own, for a question
+    graded with per-student numbers."""
     keys = {i: e.answer for i, e in all_exercises().items() if e.is_quiz} if answers else {}
     threshold, lines = report["threshold"], []
     default = " (the default)" if threshold == DEFAULT_THRESHOLD else ""
@@ -345,7 +361,8 @@ def format_report(report: dict, answers: bool = False) -> str:
         failures = [(n["student"], e) for n in rows for e in n["exercises"] if e["status"] == "failed"]
         if failures:
             lines.append("why checks failed:")
-            lines += [f"  {who}  {e['id']}: {e['detail']}{_key_note(keys.get(e['id']))}" for who, e in failures]
+            key = (lambda e: e.get("answer", keys.get(e["id"]))) if answers else (lambda e: None)
+            lines += [f"  {who}  {e['id']}: {e['detail']}{_key_note(key(e))}" for who, e in failures]
         lines.append("")
     passed, count, min_pass = report["notebooks_passed"], report["notebook_count"], report["min_pass"]
     rule = f"at least {min_pass} must pass (--min-pass)" if min_pass is not None else "every notebook must pass"

@@ -3,7 +3,8 @@
 A checker in ``grading/labNN.py`` holds its lab's cases and what its failures mean; the scaffolding around
 them lives here, so that every lab draws, runs and compares the same way and a fix reaches all of them:
 
-* :func:`lab_seed` and :func:`rank_seed`: where hidden cases and per-rank weights come from;
+* :func:`lab_seed` and :func:`rank_seed`: where hidden cases (fixed in self-study, the grader's when graded)
+  and per-rank weights come from;
 * :data:`JOB_TIMEOUT`, :data:`LONG_JOB_TIMEOUT`, :data:`ATOL`, :data:`WEIGHT_ATOL`: what a time limit
   and a tolerance are for;
 * :func:`run_on_ranks` and :func:`launch_failures_fail_the_check`: a job whose ranks deadlock, disagree
@@ -17,6 +18,7 @@ from __future__ import annotations
 
 import ast
 import inspect
+import os
 import textwrap
 from contextlib import contextmanager
 
@@ -34,10 +36,12 @@ from distlab.runtime.launch import (
     launch,
 )
 
-__all__ = ["JOB_TIMEOUT", "LONG_JOB_TIMEOUT", "ATOL", "WEIGHT_ATOL", "lab_seed", "rank_seed", "case_gradient_bytes",
-           "first_line", "raise_if_untouched", "launch_failures_fail_the_check", "run_on_ranks", "max_difference",
-           "is_close", "assert_close", "with_reference"]
+__all__ = ["GRADE_SEED_VARIABLE", "JOB_TIMEOUT", "LONG_JOB_TIMEOUT", "ATOL", "WEIGHT_ATOL", "lab_seed", "rank_seed",
+           "case_gradient_bytes", "first_line", "raise_if_untouched", "launch_failures_fail_the_check", "run_on_ranks",
+           "max_difference", "is_close", "assert_close", "with_reference"]
 
+# The environment variable through which ``distlab grade`` gives each kernel the seed of its hidden cases.
+GRADE_SEED_VARIABLE = "DISTLAB_GRADE_SEED"
 # Seconds one checker job may run: long enough for a rank starved on a busy laptop, short enough that an
 # endless loop outside any collective (which no collective timeout sees) fails the check instead of hanging it.
 JOB_TIMEOUT = 60.0
@@ -54,12 +58,16 @@ WEIGHT_ATOL = 1e-6
 # ---------------------------------------------------------------- where cases come from
 
 def lab_seed(lab: int) -> int:
-    """The seed of lab ``lab``'s hidden cases (lab 3 → 3_2024).
+    """The seed of lab ``lab``'s hidden cases, different per lab so no two labs draw the same cases.
 
-    Fixed, so a notebook's check lines read the same on every run and a failure can be reproduced;
-    different per lab, so no two labs draw the same cases.
+    Self-study: fixed (lab 3 → 3_2024), so a notebook's check lines read the same on every run. Graded:
+    ``distlab grade`` draws a seed per grading run, records it in its report (``--seed`` replays it) and hands
+    it to each kernel in :data:`GRADE_SEED_VARIABLE`, so the cases a grade is decided on are in no package.
+    Read when a check runs, not at import: the grader's kernels are forked from a process that imported
+    every lab before any seed was drawn.
     """
-    return lab * 10_000 + 2024
+    graded = os.environ.get(GRADE_SEED_VARIABLE, "").strip()
+    return int(graded) * 100 + lab if graded else lab * 10_000 + 2024
 
 
 def rank_seed(seed: int, rank: int) -> int:

@@ -1,6 +1,6 @@
 """Lab 01 — memory math. Checkers compare the student's formulas with :mod:`distlab.memory`.
 
-Cases are drawn from a fixed-seed generator (so notebook output is reproducible) over
+Cases are drawn from the lab's seed (fixed in self-study, so notebook output is reproducible) over
 ranges a student cannot special-case: random world sizes, ZeRO stages, shapes, and
 random model shapes next to the 7B/70B/405B presets. A ``NotImplementedError`` from an
 untouched stub propagates, and the framework reports "not attempted".
@@ -17,7 +17,10 @@ from distlab.grading.harness import lab_seed
 from distlab.grading.registry import Exercise
 from distlab.memory import PRESETS, GiB, Preset, activation_bytes_per_layer, bytes_per_param
 
-_SEED = lab_seed(1)
+
+def _seed() -> int:
+    """This lab's seed for its hidden cases, read as each check runs (:func:`~distlab.grading.harness.lab_seed`)."""
+    return lab_seed(1)
 
 
 def _number(value, where: str) -> float:
@@ -38,7 +41,7 @@ def _world_sizes(rng: random.Random, k: int) -> list[int]:
 
 def check_bytes_per_param(student_bytes_per_param) -> str:
     """1.1: ``bytes_per_param(zero_stage, world_size)`` → per-rank bytes/param, Adam mixed precision."""
-    rng = random.Random(_SEED)
+    rng = random.Random(_seed())
     cases = [(stage, n) for n in _world_sizes(rng, 6) for stage in (0, 1, 2, 3)]
     for stage, n in cases:
         expected = bytes_per_param(stage, n, "mixed").total
@@ -58,7 +61,7 @@ def _shapes(rng: random.Random, k: int) -> list[tuple[int, int, int, int]]:
 
 def check_activation_bytes_per_layer(student_fn) -> str:
     """1.2: ``activation_bytes_per_layer(seq_len, batch, d_model, n_head)`` → bytes, 16-bit, no recomputation."""
-    shapes = _shapes(random.Random(_SEED + 2), 12)
+    shapes = _shapes(random.Random(_seed() + 2), 12)
     for s, b, h, a in shapes:
         expected = activation_bytes_per_layer(s, b, h, a)
         _compare(expected, student_fn(s, b, h, a), f"for seq_len={s}, batch={b}, d_model={h}, n_head={a}", "bytes")
@@ -67,7 +70,7 @@ def check_activation_bytes_per_layer(student_fn) -> str:
 
 def check_activation_bytes(student_fn) -> str:
     """1.3: ``activation_bytes(seq_len, batch, d_model, n_head, n_layer, checkpointing)`` → bytes for all layers."""
-    rng = random.Random(_SEED + 3)
+    rng = random.Random(_seed() + 3)
     cases = 0
     for s, b, h, a in _shapes(rng, 8):
         n_layer = rng.randint(1, 128)
@@ -82,7 +85,7 @@ def check_activation_bytes(student_fn) -> str:
 
 def check_training_memory_gib(student_fn) -> str:
     """1.4: ``training_memory_gib(preset, world_size, zero_stage, micro_batch, checkpointing)`` → GiB per rank."""
-    rng = random.Random(_SEED + 4)
+    rng = random.Random(_seed() + 4)
     presets = list(PRESETS.values()) + [
         Preset("random", n_layer=rng.randint(8, 96), d_model=128 * rng.randint(8, 96), n_head=32, n_kv_head=8,
                ffn_dim=256 * rng.randint(20, 200), vocab_size=rng.randint(32000, 160000), seq_len=2048)]
@@ -101,14 +104,24 @@ def check_training_memory_gib(student_fn) -> str:
 
 QUIZ = [
     quiz.number("Q1.1", "bytes per parameter of Adam mixed precision under DDP", answer=16, rel_tol=0,
-                hint="section 1: bf16 weights and gradients, fp32 master weights and two moments"),
-    quiz.number("Q1.2", "ZeRO-3 bytes per parameter per rank on 64 ranks", answer=0.25, rel_tol=0.001,
+                hint="section 1: bf16 weights and gradients, fp32 master weights and two moments",
+                fixed="the question has no number: 16 bytes per parameter is the lesson"),
+    quiz.number("Q1.2", "ZeRO-3 bytes per parameter per rank on {ranks} ranks", rel_tol=0.001,
+                given=dict(ranks=64), vary=dict(ranks=(8, 16, 24, 32, 48, 96, 128, 256, 512, 1024)),
+                solve=lambda ranks: bytes_per_param(3, ranks).total,
                 hint="exercise 1.1: stage 3 shards all 16 bytes over the N ranks"),
     quiz.number("Q1.3", "ZeRO-1 bytes per parameter per rank as N grows without bound", answer=4, rel_tol=0.001,
-                hint="exercise 1.1: what is not sharded in stage 1?"),
-    quiz.number("Q1.4", "GiB of model states per rank for the 70B preset, 64 ranks, ZeRO-3", answer=16.06,
-                rel_tol=0.005, hint="section 3: n_params x 16/N bytes, in GiB (2^30 bytes)"),
-    quiz.number("Q1.5", "bytes per s*b*h a checkpointed layer keeps at 16-bit", answer=2, rel_tol=0,
+                hint="exercise 1.1: what is not sharded in stage 1?",
+                fixed="a limit as N grows: the question has no number to change"),
+    quiz.number("Q1.4", "GiB of model states per rank for the {preset} preset, {ranks} ranks, ZeRO-{stage}",
+                rel_tol=0.005, abs_tol=0.006, given=dict(preset="70B", ranks=64, stage=3),
+                vary=dict(preset=("7B", "405B"), ranks=(8, 16, 32, 128), stage=(1, 2)),
+                solve=lambda preset, ranks, stage: PRESETS[preset].memory(ranks, stage).states / GiB,
+                hint="section 3: n_params x the stage's bytes per parameter on N ranks, in GiB (2^30 bytes)"),
+    quiz.number("Q1.5", "bytes per s*b*h a checkpointed layer keeps at {bits}-bit", rel_tol=0,
+                given=dict(bits=16), vary=dict(bits=(8, 32)),
+                solve=lambda bits: activation_bytes_per_layer(1, 1, 1, 1, checkpointing=True,
+                                                              bytes_per_value=bits // 8),
                 hint="section 2: with full checkpointing a layer keeps only its input"),
     quiz.choice("Q1.6", "what FSDP shards and DDP does not", answer="c", options="abc",
                 hint="section 3, DDP against FSDP: which tensors does each rank keep whole under DDP?"),

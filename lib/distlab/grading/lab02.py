@@ -18,7 +18,13 @@ import random
 import torch
 import torch.distributed as dist
 
-from distlab.collectives import ring_all_gather_bytes, ring_all_reduce_bytes
+from distlab.collectives import (
+    crossover_bytes,
+    ring_all_gather_bytes,
+    ring_all_reduce_bytes,
+    ring_all_reduce_time,
+    tree_steps,
+)
 from distlab.grading import CheckFailed, quiz
 from distlab.grading.harness import raise_if_untouched
 from distlab.grading.lab00 import WORLD_SIZES, compare_tensor, random_tensor, rank_group, run_job
@@ -241,16 +247,21 @@ def check_tree_all_reduce(student_fn) -> str:
 QUIZ = [
     quiz.number("Q2.1", "bytes per rank of a ring all-reduce (GB)", answer=1.75, rel_tol=0.01,
                 hint="section 2: each rank sends 2(N-1)/N * M"),
-    quiz.number("Q2.2", "all-reduce time of 7B bf16 gradients on 8 GPUs (ms)", answer=54.4, rel_tol=0.03,
+    quiz.number("Q2.2", "all-reduce time of {billions}B bf16 gradients on {gpus} GPUs (ms)", rel_tol=0.03,
+                given=dict(billions=7, gpus=8), vary=dict(billions=(1, 3, 13, 34, 70), gpus=(4, 16, 64)),
+                solve=lambda billions, gpus: ring_all_reduce_time(billions * 1e9 * 2, gpus, 0.0, 450e9) * 1e3,
                 hint="section 4: M = 2 bytes x 7e9, the ring sends 2(N-1)/N * M per rank at beta; alpha is "
                      "negligible at this size"),
     quiz.choice("Q2.3", "the algorithm for a 4 KiB all-reduce on 1024 ranks", answer="b", options="abc",
                 hint="section 4: which term of the alpha-beta model dominates a small message, and how many "
                      "steps does each algorithm pay it?"),
-    quiz.number("Q2.4", "recursive-doubling/ring crossover for N = 4, alpha = 10 us, beta = 100 GB/s (MB)", answer=8.0,
-                rel_tol=0.02, hint="section 4: M* = (S_ring - S_tree) alpha beta / (B_tree - B_ring), "
-                                   "8 alpha beta for N = 4"),
-    quiz.number("Q2.5", "sequential messages of recursive doubling on 1024 ranks", answer=10, rel_tol=0,
+    quiz.number("Q2.4", "recursive-doubling/ring crossover for N = {ranks}, alpha = {alpha_us} us, "
+                "beta = {beta_gbs} GB/s (MB)", rel_tol=0.02, given=dict(ranks=4, alpha_us=10, beta_gbs=100),
+                vary=dict(ranks=(8, 16), alpha_us=(5, 20, 50), beta_gbs=(25, 50, 200)),
+                solve=lambda ranks, alpha_us, beta_gbs: crossover_bytes(ranks, alpha_us * 1e-6, beta_gbs * 1e9) / 1e6,
+                hint="section 4: M* = (S_ring - S_tree) alpha beta / (B_tree - B_ring), 8 alpha beta for N = 4"),
+    quiz.number("Q2.5", "sequential messages of recursive doubling on {ranks} ranks", rel_tol=0, given=dict(ranks=1024),
+                vary=dict(ranks=(256, 512, 1000, 2048, 3000, 4096)), solve=lambda ranks: tree_steps(ranks),
                 hint="exercise 2.4: each round doubles the block of ranks whose sum you hold"),
     quiz.choice("Q2.6", "ring bytes per rank as N grows from 8 to 1024", answer="c", options="abc",
                 hint="section 2: 2(N-1)/N * M for N = 8 and N = 1024"),

@@ -10,7 +10,7 @@ with the usual cause ("summed but not divided by world size?"). Communication is
 checked from distlab's comm log: all-reduce payload per step equals the gradient
 bytes exactly (every gradient once, a tied weight once, frozen weights never).
 
-Cases come from a fixed-seed generator (reproducible notebook output) over world
+Cases come from the lab's seed (fixed in self-study: reproducible notebook output) over world
 sizes, seeds, model shapes, bucket sizes and accumulation steps a student cannot
 special-case. Collectives time out after a few seconds so a deadlock fails fast.
 An untouched stub's ``NotImplementedError`` (raised inside a rank) propagates and
@@ -26,8 +26,18 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from distlab.data_parallel import OverlappedDDP, assign_buckets, build_model, local_batches, reference_run, train_step
+from distlab.collectives import ring_all_reduce_bytes
+from distlab.data_parallel import (
+    OverlappedDDP,
+    assign_buckets,
+    build_model,
+    local_batches,
+    pytorch_buckets,
+    reference_run,
+    train_step,
+)
 from distlab.data_parallel import broadcast_parameters as reference_broadcast
+from distlab.flops import mfu
 from distlab.grading import CheckFailed, quiz
 from distlab.grading.harness import (
     LONG_JOB_TIMEOUT,
@@ -43,7 +53,12 @@ from distlab.grading.registry import Exercise
 from distlab.model import GPTConfig
 from distlab.reference import make_optimizer
 
-_SEED = lab_seed(3)
+
+def _seed() -> int:
+    """This lab's seed for its hidden cases, read as each check runs (:func:`~distlab.grading.harness.lab_seed`)."""
+    return lab_seed(3)
+
+
 STEPS = 3
 COLLECTIVE_TIMEOUT = 30.0  # seconds: long enough for a rank starved on a busy machine; a deadlock still fails
 
@@ -261,7 +276,7 @@ def check_communication(run, case: Case, expected_calls: int | None = None) -> N
 def check_naive_ddp(broadcast_parameters, allreduce_gradients) -> str:
     """3.1: ``broadcast_parameters(model)`` and ``allreduce_gradients(model)`` (mean over ranks)."""
     raise_if_untouched(broadcast_parameters, allreduce_gradients)
-    rng = random.Random(_SEED + 1)
+    rng = random.Random(_seed() + 1)
     cases = [_case(rng, "gpt", tied=True), _case(rng, "edge")]
     for case in cases:
         run = _launch(_worker_functions, case, broadcast_parameters, allreduce_gradients)
@@ -345,7 +360,7 @@ def _train_and_verify_buckets(worker, case: Case, *student_code):
 def check_bucketed_ddp(assign_buckets_fn, allreduce_buckets_fn) -> str:
     """3.2: ``assign_buckets(params, bucket_cap_bytes)`` and ``allreduce_buckets(buckets)``."""
     raise_if_untouched(assign_buckets_fn, allreduce_buckets_fn)
-    rng = random.Random(_SEED + 2)
+    rng = random.Random(_seed() + 2)
     n_assign = _check_bucket_assignment(assign_buckets_fn, rng)
     cases = [_case(rng, "gpt"), _case(rng, "edge")]
     for case in cases:
@@ -374,7 +389,7 @@ def _check_overlap(run, case: Case) -> None:
 def check_overlapped_ddp(ddp_class) -> str:
     """3.3: a DDP class ``ddp_class(module, bucket_cap_bytes)`` whose hooks launch async bucket all-reduces."""
     raise_if_untouched(ddp_class)
-    rng = random.Random(_SEED + 3)
+    rng = random.Random(_seed() + 3)
     cases = [_case(rng, "gpt", tied=True), _case(rng, "edge")]
     for case in cases:
         total = case_gradient_bytes(case)
@@ -414,7 +429,7 @@ def check_gradient_accumulation(no_sync, train_accumulated) -> str:
     """3.4: ``no_sync(ddp)`` context and ``train_accumulated(ddp, optimizer, micro_batches)``."""
     raise_if_untouched(train_accumulated)
     _check_no_sync_context(no_sync)
-    rng = random.Random(_SEED + 4)
+    rng = random.Random(_seed() + 4)
     cases = [_case(rng, "gpt", rows=1), _case(rng, "edge", rows=1)]
     for case in cases:  # accum != world size, so a wrong factor points at one cause
         case.accum = rng.choice([a for a in (2, 3, 4) if a != case.world_size])
@@ -426,18 +441,27 @@ def check_gradient_accumulation(no_sync, train_accumulated) -> str:
 
 
 QUIZ = [
-    quiz.number("Q3.1", "GB each GPU sends per step for a 7B model's bf16 gradients on 8 GPUs", answer=24.5,
-                rel_tol=0.01, hint="'What it costs: bytes on the wire': 2(N-1)/N x the gradient bytes"),
-    quiz.number("Q3.2", "SGD update factor when gradients are summed, not averaged, over 4 ranks", answer=4,
-                rel_tol=0, hint="'Why averaging gradients is exact': the sum is N times the mean"),
-    quiz.number("Q3.3", "all-reduces per step, after the first iteration, for 30 MB of gradients under PyTorch DDP's "
-                "default buckets", answer=3, rel_tol=0,
+    quiz.number("Q3.1", "GB each GPU sends per step for a {billions}B model's bf16 gradients on {gpus} GPUs",
+                rel_tol=0.01, given=dict(billions=7, gpus=8), vary=dict(billions=(1, 3, 13, 34, 70), gpus=(4, 16, 64)),
+                solve=lambda billions, gpus: ring_all_reduce_bytes(billions * 1e9 * 2, gpus) / 1e9,
+                hint="'What it costs: bytes on the wire': 2(N-1)/N x the gradient bytes"),
+    quiz.number("Q3.2", "SGD update factor when gradients are summed, not averaged, over {ranks} ranks", rel_tol=0,
+                given=dict(ranks=4), vary=dict(ranks=(2, 3, 5, 6, 8, 12, 16, 32)),
+                solve=lambda ranks: ranks,  # the sum of N equal gradients is N times their mean
+                hint="'Why averaging gradients is exact': the sum is N times the mean"),
+    quiz.number("Q3.3", "all-reduces per step, after the first iteration, for {megabytes} MB of gradients under "
+                "PyTorch DDP's default buckets", rel_tol=0, given=dict(megabytes=30),
+                vary=dict(megabytes=(10, 20, 50, 60, 80, 100, 120)),
+                solve=lambda megabytes: len(pytorch_buckets([torch.nn.Parameter(torch.empty(25_000))
+                                                             for _ in range(megabytes * 10)])),
                 hint="'What PyTorch's DDP really does with buckets': which cap does the first bucket get, and "
                      "which the others?"),
     quiz.choice("Q3.4", "all-reduce rounds per optimizer step with 4 micro-steps under no_sync", answer="b",
                 options="abc", hint="exercise 3.4: only the last micro-step's backward communicates"),
-    quiz.number("Q3.5", "MFU of a 7B model at 3,000 tokens/s per H100 (989 TFLOP/s)", answer=0.127,
-                rel_tol=0.03, hint="'FLOPs per token and MFU': 6N FLOPs per token x tokens/s / peak"),
+    quiz.number("Q3.5", "MFU of a {billions}B model at {tokens:,} tokens/s per H100 (989 TFLOP/s)", rel_tol=0.03,
+                given=dict(billions=7, tokens=3000), vary=dict(billions=(3, 8, 13), tokens=(1500, 2000, 4500)),
+                solve=lambda billions, tokens: mfu(6 * billions * 1e9, tokens, 989e12),
+                hint="'FLOPs per token and MFU': 6N FLOPs per token x tokens/s / peak"),
     quiz.choice("Q3.6", "not a suspect for an MFU of 18%", answer="d", options="abcd",
                 hint="'MFU at 18%: where the time goes': which of these changes how much time the GPUs spend "
                      "on anything but model math?"),

@@ -41,7 +41,12 @@ from distlab.pipeline_parallel import (
     validate,
 )
 
-_SEED = lab_seed(6)
+
+def _seed() -> int:
+    """This lab's seed for its hidden cases, read as each check runs (:func:`~distlab.grading.harness.lab_seed`)."""
+    return lab_seed(6)
+
+
 # every rank blocked in communication this long is a deadlock (a rank still computing is not): a message between
 # stages of the checkers' tiny models takes milliseconds, so 6 s is headroom on a busy laptop and a wrong peer
 # fails in seconds
@@ -103,7 +108,7 @@ def _ignores_ends(balanced_partition_fn) -> bool:
 def check_partitions(even_partition, balanced_partition_fn) -> str:
     """6.1: ``even_partition(n_layers, n_stages)`` and
     ``balanced_partition(costs, n_stages, first_extra, last_extra)``."""
-    rng = random.Random(_SEED + 1)
+    rng = random.Random(_seed() + 1)
     cases = [(rng.randint(2, 40), None) for _ in range(12)] + [(7, 7), (5, 1), (10, 4), (13, 4)]
     for n_layers, n_stages in cases:
         n_stages = n_stages or rng.randint(1, n_layers)
@@ -197,7 +202,7 @@ def _schedule_cases(rng: random.Random) -> list[tuple[int, int]]:
 
 def check_schedules(gpipe_fn, one_f_one_b_fn) -> str:
     """6.2: ``gpipe(p, m)`` and ``one_f_one_b(p, m)`` return each rank's actions."""
-    rng = random.Random(_SEED + 2)
+    rng = random.Random(_seed() + 2)
     cases = _schedule_cases(rng)
     for p, m in cases:
         where, schedule = _run_schedule_fn(gpipe_fn, (p, m), "gpipe")
@@ -217,7 +222,7 @@ def check_schedules(gpipe_fn, one_f_one_b_fn) -> str:
 
 def check_interleaved(interleaved_fn) -> str:
     """6.3: ``interleaved_1f1b(p, m, v)``; m not a multiple of p must raise ValueError."""
-    rng = random.Random(_SEED + 3)
+    rng = random.Random(_seed() + 3)
     cases = [(2, 2, 2), (4, 16, 2), (4, 8, 3), (3, 6, 2), (4, 8, 1), (3, 3, 1)]  # v = 1 must be 1F1B
     cases += [(p, p * rng.randint(1, 3), rng.randint(2, 4)) for p in (rng.randint(2, 5) for _ in range(4))]
     for p, m, v in cases:
@@ -243,7 +248,7 @@ def check_interleaved(interleaved_fn) -> str:
 
 def check_zero_bubble(zero_bubble_fn) -> str:
     """6.5 (bonus): ``zero_bubble_h1(p, m)`` with the backward split into ``I`` and ``W``."""
-    rng = random.Random(_SEED + 5)
+    rng = random.Random(_seed() + 5)
     cases = [(4, 16), (2, 1), (3, 2), (4, 8)] + [(rng.randint(2, 6), rng.randint(1, 12)) for _ in range(4)]
     for p, m in cases:
         where, schedule = _run_schedule_fn(zero_bubble_fn, (p, m), "zero_bubble_h1")
@@ -308,7 +313,7 @@ def _update_hint(got, ref, before, m: int) -> str:
 
 def check_executor(execute) -> str:
     """6.4: ``execute(actions, stages, micro_batches, p, num_stages)`` runs one rank's schedule; returns its losses."""
-    rng = random.Random(_SEED + 4)
+    rng = random.Random(_seed() + 4)
     cases = _executor_cases(rng)
     steps, lr = 1, 0.1
     for case in cases:
@@ -401,13 +406,20 @@ EXERCISES = [
              references=("distlab.pipeline_parallel.executor.run_schedule",)),
     Exercise("6.5", "bonus: zero-bubble ZB-H1 schedule", 1, check_zero_bubble,
              references=("distlab.pipeline_parallel.schedules.zero_bubble_h1",)),
-    quiz.number("Q6.1", "bubble fraction for p = 8 stages and m = 24 micro-batches", 7 / 31, abs_tol=0.002,
+    quiz.number("Q6.1", "bubble fraction for p = {p} stages and m = {m} micro-batches", abs_tol=0.002,
+                given=dict(p=8, m=24), vary=dict(p=(4, 6, 16), m=(8, 16, 32, 64)), solve=bubble_fraction,
                 hint="see 'The bubble, in theory' (the step is fill + steady state + drain)"),
-    quiz.number("Q6.2", "smallest m that keeps the 1F1B bubble at or below 5% with p = 6", 95, abs_tol=0,
+    quiz.number("Q6.2", "smallest m that keeps the 1F1B bubble at or below {percent}% with p = {p}", abs_tol=0,
+                given=dict(percent=5, p=6), vary=dict(percent=(2, 10), p=(4, 8, 12)),
+                solve=lambda percent, p: next(m for m in range(1, 10**5) if bubble_fraction(p, m) <= percent / 100),
                 hint="see 'The bubble, in theory' and solve its bubble fraction for m"),
-    quiz.number("Q6.3", "interleaved 1F1B bubble for p = 6, m = 12, v = 2", 5 / 29, abs_tol=0.002,
+    quiz.number("Q6.3", "interleaved 1F1B bubble for p = {p}, m = {m}, v = {v}", abs_tol=0.002,
+                given=dict(p=6, m=12, v=2), vary=dict(p=(4, 8), m=(8, 16, 24), v=(3, 4)),
+                solve=interleaved_bubble_fraction,
                 hint="see 'Interleaved 1F1B': what a stage slot is worth with v stages per rank"),
-    quiz.number("Q6.4", "micro-batches in flight on rank 2 under 1F1B with p = 6, m = 32", 4, abs_tol=0,
+    quiz.number("Q6.4", "micro-batches in flight on rank {rank} under 1F1B with p = {p}, m = 32", abs_tol=0,
+                given=dict(rank=2, p=6), vary=dict(rank=(0, 1, 3, 5), p=(8,)),
+                solve=lambda rank, p: min(interleaved_warmup(p, rank, 1) + 1, 32),
                 hint="see 'Memory: GPipe against 1F1B' and the 1F1B warm-up in Exercise 6.2"),
     quiz.number("Q6.5", "MiB sent forward per micro-batch between two stages of a 70B model (d_model 8192, "
                 "seq 4096, micro-batch 1, bf16)", 64, abs_tol=0.01,

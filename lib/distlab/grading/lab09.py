@@ -18,7 +18,7 @@
   a transposed weight gradient is caught (and autograd's shape error is translated); then a GPT
   trained with it.
 
-Cases come from fixed-seed generators (reproducible notebook output) over shapes, scales
+Cases come from the lab's seed (fixed in self-study: reproducible notebook output) over shapes, scales
 and hyperparameters a student cannot special-case. An untouched stub's
 ``NotImplementedError`` propagates and is reported as "not attempted".
 """
@@ -48,7 +48,11 @@ from distlab.model import GPTConfig
 __all__ = ["EXERCISES", "check_codes", "check_loss_scaler", "check_scaling", "check_fp8_matmul",
            "check_float8_linear"]
 
-_SEED = lab_seed(9)
+
+
+def _seed() -> int:
+    """This lab's seed for its hidden cases, read as each check runs (:func:`~distlab.grading.harness.lab_seed`)."""
+    return lab_seed(9)
 
 
 # ---------------------------------------------------------------- 9.1
@@ -91,7 +95,7 @@ def _value_cases(fmt: Format, rng: random.Random) -> list[tuple[float, str]]:
 
 def check_codes(decode_fn, encode_fn) -> str:
     """9.1: ``decode_fn(code, fmt) -> float`` and ``encode_fn(value, fmt) -> int`` for E4M3 and E5M2."""
-    rng = random.Random(_SEED + 1)
+    rng = random.Random(_seed() + 1)
     checked = 0
     for fmt in (FORMATS["e4m3"], FORMATS["e5m2"]):
         torch_values = torch.arange(256, dtype=torch.uint8).view(fmt.dtype).float().tolist()
@@ -182,7 +186,7 @@ def _scaler_run(scaler, case: dict) -> list[dict]:
 
 def check_loss_scaler(scaler_class) -> str:
     """9.2: a class with ``scale``, ``step``, ``update``, ``get_scale`` that behaves like ``torch.amp.GradScaler``."""
-    rng = random.Random(_SEED + 2)
+    rng = random.Random(_seed() + 2)
     cases = [_scaler_case(rng) for _ in range(4)]
     for case in cases:
         knobs = {k: case[k] for k in ("init_scale", "growth_factor", "backoff_factor", "growth_interval")}
@@ -239,8 +243,8 @@ def _outlier_tensor(rows: int, cols: int, generator: torch.Generator) -> torch.T
 
 def check_scaling(quantize_fn, delayed_class) -> str:
     """9.3: ``quantize_fn(x, fmt, block) -> (q, scale)`` and a delayed-scaling class with ``quantize(x)``."""
-    rng = random.Random(_SEED + 3)
-    generator = torch.Generator().manual_seed(_SEED + 3)
+    rng = random.Random(_seed() + 3)
+    generator = torch.Generator().manual_seed(_seed() + 3)
     count = 0
     for _ in range(3):
         rows, cols = 128 * rng.randint(1, 2), 128 * rng.randint(1, 3)
@@ -380,8 +384,8 @@ def _matmul_case(rng: random.Random, generator: torch.Generator, m: int, k: int,
 
 def check_fp8_matmul(emulated_fn, native_fn, auto_fn) -> str:
     """9.4: ``emulated_fn``/``native_fn(a, b, scale_a, scale_b, out_dtype)`` and ``auto_fn(...) -> (out, path)``."""
-    rng = random.Random(_SEED + 4)
-    generator = torch.Generator().manual_seed(_SEED + 4)
+    rng = random.Random(_seed() + 4)
+    generator = torch.Generator().manual_seed(_seed() + 4)
     support = scaled_mm_support("cpu")
     shapes = [(16 * rng.randint(1, 4), 16 * rng.randint(1, 6), 16 * rng.randint(1, 4)) for _ in range(3)]
     for m, k, n in shapes:
@@ -467,8 +471,8 @@ def _variant_grads(x, weight, grad_out, grad_format):
 
 def check_float8_linear(student_class) -> str:
     """9.5: an ``nn.Linear`` subclass whose matmuls are FP8 (E4M3 forward, E5M2 gradients), fp32 master weights."""
-    rng = random.Random(_SEED + 5)
-    generator = torch.Generator().manual_seed(_SEED + 5)
+    rng = random.Random(_seed() + 5)
+    generator = torch.Generator().manual_seed(_seed() + 5)
     shapes = []
     for _ in range(4):  # in ≠ out features: a square layer would hide a transposed weight gradient
         k = 16 * rng.randint(1, 6)

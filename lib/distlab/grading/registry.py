@@ -32,6 +32,10 @@ class Exercise:
     answer: object = None
     # Library functions that are this exercise's answer (dotted paths): handing one in, or calling it, scores 0.
     references: tuple[str, ...] = ()
+    # A numeric quiz question whose numbers differ per student in a graded class (:class:`quiz.Variation`).
+    variation: object = None
+    # Why a numeric question keeps the chapter's numbers in a graded class too (no number in it can vary).
+    fixed: str = ""
 
     def __post_init__(self) -> None:
         if not _ID.match(self.id):
@@ -49,6 +53,12 @@ class Exercise:
     def label(self) -> str:
         """How a result line names it: "Exercise 4.2" or "Question Q4.2"."""
         return f"{'Question' if self.is_quiz else 'Exercise'} {self.id}"
+
+    @property
+    def asked(self) -> str:
+        """The title as this kernel asks it: a varied question with the student's numbers once their released
+        notebook called :func:`~distlab.grading.quiz.your_numbers`, else ``title`` (the chapter's numbers)."""
+        return self.variation.asked(self.id) if self.variation is not None else self.title
 
 
 def lab_of(exercise_id: str) -> int:

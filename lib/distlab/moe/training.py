@@ -9,13 +9,15 @@ training in one process with every expert, which it must equal.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+import time
+from typing import Callable, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
 
 from distlab.data_parallel import allreduce_buckets, local_batches
+from distlab.flops import step_report
 from distlab.model import GPT, GPTConfig, _mix
 from distlab.moe.layer import MoEConfig, MoELayer
 from distlab.moe.routing import imbalance, update_expert_bias
@@ -90,7 +92,7 @@ def _train_config(cfg: GPTConfig | None, moe: MoEConfig | None, balancing: str |
 
 def train_moe(steps: int = 20, balancing: str | None = None, cfg: GPTConfig | None = None, moe: MoEConfig | None = None,
               batch_size: int = 8, optimizer: str = "adamw", lr: float = 3e-3, seed: int = 0, data_seed: int = 0,
-              return_state: bool = False) -> dict:
+              return_state: bool = False, on_step: Callable | None = None) -> dict:
     """Train :class:`MoEGPT` expert-parallel over every rank (inside ``distlab.launch`` or torchrun).
 
     ``batch_size`` is the global batch; rank r trains on its slice. Per step: forward (two
@@ -98,6 +100,7 @@ def train_moe(steps: int = 20, balancing: str | None = None, cfg: GPTConfig | No
     then the global expert loads (one small all-reduce) and, with ``balancing='bias'``, the
     bias update they drive. Returns the global mean losses (cross-entropy, before each
     update), the loads per step ``[steps][layers][E]`` and the dropped assignments.
+    ``on_step(step, loss, seconds)`` is called after every step (a torchrun job's per-step line).
     """
     steps = int(steps)
     cfg, moe = _train_config(cfg, moe, balancing)
@@ -107,6 +110,7 @@ def train_moe(steps: int = 20, balancing: str | None = None, cfg: GPTConfig | No
     losses, loads, dropped = [], [], []
     for step in range(steps):
         (x, y), = local_batches(cfg, batch_size, step, rank, world, data_seed=data_seed)
+        start = time.perf_counter()
         with span("forward"):
             _, ce = model(x.to(dev), y.to(dev))
             loss = ce + model.balancing_loss()
@@ -125,6 +129,8 @@ def train_moe(steps: int = 20, balancing: str | None = None, cfg: GPTConfig | No
         losses.append(float(step_stats[0]))
         dropped.append(int(step_stats[1]))
         loads.append(load.cpu().tolist())
+        if on_step is not None:
+            on_step(step, losses[-1], time.perf_counter() - start)
     out = {"rank": rank, "losses": losses, "loads": loads, "dropped": dropped,
            "assignments_per_step": batch_size * cfg.seq_len * moe.k * cfg.n_layer}
     if return_state:
@@ -180,7 +186,8 @@ def train_moe_reference(steps: int = 20, balancing: str | None = None, cfg: GPTC
 
 def train(steps: int = 20, balancing: str = "bias", num_experts: int = 8, k: int = 2,
           capacity_factor: float | None = 1.25, d_model: int = 64, n_layer: int = 2, n_head: int = 4,
-          vocab_size: int = 256, seq_len: int = 64, batch_size: int = 4, lr: float = 3e-3, seed: int = 0) -> dict:
+          vocab_size: int = 256, seq_len: int = 64, batch_size: int = 4, lr: float = 3e-3, seed: int = 0,
+          log_every: int = 0, peak: float | str = "measured") -> dict:
     """Train the MoE GPT expert-parallel over every rank; the entry point for torchrun::
 
         torchrun --nproc-per-node=4 -m distlab.torchrun distlab.moe:train steps=50 balancing=aux
@@ -188,16 +195,22 @@ def train(steps: int = 20, balancing: str = "bias", num_experts: int = 8, k: int
     ``batch_size`` is per rank (the global batch is ``batch_size · world_size``). Returns this
     rank's summary: first and last loss, the busiest expert's load over the mean at the last
     step, the share of assignments dropped, and the all-to-all payload per step.
+    ``log_every=k`` (torchrun's default is 1): rank 0 prints every k-th step (the global loss, tokens/s,
+    MFU of the dense model's FLOPs per token against ``peak``: a top-k MoE does about k experts' worth) and
+    a summary.
     """
     world = dist.get_world_size()
     cfg = GPTConfig(vocab_size=int(vocab_size), seq_len=int(seq_len), n_layer=int(n_layer), n_head=int(n_head),
                     d_model=int(d_model))
     moe = MoEConfig(num_experts=int(num_experts), k=int(k), capacity_factor=capacity_factor, balancing=balancing)
+    report = step_report(f"moe-{world}", cfg, int(steps), int(batch_size) * world * cfg.seq_len, log_every, peak)
     before = comm.snapshot()
-    out = train_moe(int(steps), cfg=cfg, moe=moe, batch_size=int(batch_size) * world, lr=float(lr), seed=int(seed))
+    out = train_moe(int(steps), cfg=cfg, moe=moe, batch_size=int(batch_size) * world, lr=float(lr), seed=int(seed),
+                    on_step=report.step if report else None)
     all_to_all = comm.since(before).total("payload_bytes", "all_to_all")
     return {"rank": out["rank"], "world_size": world, "balancing": balancing,
             "loss_first": round(out["losses"][0], 4), "loss_last": round(out["losses"][-1], 4),
             "busiest_over_mean": round(imbalance(out["loads"][-1]), 3),
             "dropped_share": round(sum(out["dropped"]) / (len(out["dropped"]) * out["assignments_per_step"]), 4),
-            "all_to_all_bytes_per_step": all_to_all / int(steps)}
+            "all_to_all_bytes_per_step": all_to_all / int(steps), "losses": out["losses"],
+            **({"mfu": report.finish()["mfu"]} if report else {})}

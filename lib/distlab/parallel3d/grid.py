@@ -22,6 +22,8 @@ Under torchrun::
 
 from __future__ import annotations
 
+import functools
+import os
 import statistics
 import time
 from dataclasses import dataclass
@@ -32,6 +34,7 @@ import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
 from distlab.data_parallel import allreduce_buckets
+from distlab.flops import step_report
 from distlab.model import GPT, GPTConfig, synthetic_batch
 from distlab.pipeline_parallel import StageModule, check_setup, even_partition, make_schedule, run_schedule
 from distlab.pipeline_parallel.executor import Channels
@@ -41,6 +44,8 @@ from distlab.runtime import comm
 from distlab.runtime.rank import device
 from distlab.runtime.subgroups import own_subgroup, subgroup
 from distlab.tensor_parallel import TensorParallelGPT, check_tp_sizes, shard_of, vocab_parallel_cross_entropy
+from distlab.zero.flat import Axis
+from distlab.zero.optim import ShardedOptimizer
 
 __all__ = ["AXES", "Grid", "ProcessGroups", "process_groups", "device_mesh_groups", "group_ranks_worker",
            "average_gradients", "check_3d_setup", "parallel3d_worker", "replica_losses", "reference_run",
@@ -209,10 +214,13 @@ def average_gradients(params: Sequence[torch.nn.Parameter], group, dp: int) -> N
 
 
 def check_3d_setup(cfg: GPTConfig, grid: Grid, m: int, batch_size: int, world: int | None = None,
-                   schedule: str = "1f1b") -> None:
+                   schedule: str = "1f1b", zero: int = 0) -> None:
     """Every size the 3D run needs, checked before any rank starts: one ``ValueError`` line."""
     if world is not None:
         grid.check_world(world)
+    if zero not in (0, 1):
+        raise ValueError(f"zero={zero!r}: the 3D run averages gradients over DP (0) or shards the optimizer state "
+                         f"over it (ZeRO-1); for ZeRO-2/3 run distlab.zero:train")
     if cfg.tied_embeddings:
         raise ValueError("the 3D run needs untied embeddings (GPTConfig(tied_embeddings=False), as Llama 3): "
                          "the token embedding (first stage) and the output layer (last stage) are cut apart")
@@ -227,7 +235,8 @@ def check_3d_setup(cfg: GPTConfig, grid: Grid, m: int, batch_size: int, world: i
 
 def parallel3d_worker(cfg: GPTConfig, dp: int, pp: int, tp: int, m: int = 2, batch_size: int = 4, steps: int = 1,
                       optimizer: str = "sgd", lr: float = 0.1, seed: int = 0, data_seed: int = 0,
-                      schedule: str = "1f1b", grad_sync: Callable | None = None) -> dict:
+                      schedule: str = "1f1b", grad_sync: Callable | None = None, zero: int = 0,
+                      on_step: Callable | None = None) -> dict:
     """Train ``GPT(cfg, seed)`` on a ``dp × pp × tp`` grid; report this rank.
 
     The composition, with no third implementation of anything: lab 05's
@@ -242,9 +251,12 @@ def parallel3d_worker(cfg: GPTConfig, dp: int, pp: int, tp: int, m: int = 2, bat
     micro-batches. Returns ``rank``, ``coords``, ``losses`` (the replica's mean loss per step
     on its last stage's ranks, else ``None``), ``state`` (this rank's shards, GPT names),
     ``bytes``: per step, the payload bytes this rank sent along each axis, and ``step_times``.
+    ``zero=1``: lab 04's :class:`~distlab.zero.ShardedOptimizer` over the DP group instead (ZeRO-1:
+    gradients reduce-scattered, each rank updating its shard of the optimizer state, weights all-gathered).
+    ``on_step(step, loss, seconds)`` is called on every rank after every step (``loss`` None off the last stage).
     """
     grid = Grid(dp, pp, tp)
-    check_3d_setup(cfg, grid, m, batch_size, dist.get_world_size(), schedule)
+    check_3d_setup(cfg, grid, m, batch_size, dist.get_world_size(), schedule, zero)
     keep_freed_memory()
     groups = process_groups(grid)
     d, s = groups.coords["dp"], groups.coords["pp"]
@@ -252,10 +264,14 @@ def parallel3d_worker(cfg: GPTConfig, dp: int, pp: int, tp: int, m: int = 2, bat
     layers = even_partition(cfg.n_layer, pp)[s]
     stage = StageModule(TensorParallelGPT(GPT(cfg, seed=seed).to(dev), groups.tp), layers, s == 0, s == pp - 1)
     params = list(stage.parameters())
-    opt = make_optimizer(params, optimizer, lr=lr)
+    if zero:
+        factory = functools.partial(make_optimizer, optimizer=optimizer, lr=lr)
+        opt = ShardedOptimizer(params, factory, shard=Axis(groups.dp if dp > 1 else None, dp, d))
+    else:
+        opt = make_optimizer(params, optimizer, lr=lr)
     actions = make_schedule(schedule, pp, m)[s]
     rows = batch_size // dp
-    sync = grad_sync or average_gradients
+    sync = (lambda *_: None) if zero else (grad_sync or average_gradients)  # ZeRO-1 reduces in its step
 
     def loss_fn(local_logits, targets):
         return vocab_parallel_cross_entropy(local_logits, targets, groups.tp)
@@ -273,14 +289,16 @@ def parallel3d_worker(cfg: GPTConfig, dp: int, pp: int, tp: int, m: int = 2, bat
                 "pp": schedule_traffic.total("payload_bytes", ("isend", "send"))}
         before = comm.snapshot()
         sync(params, groups.dp, dp)
-        sent["dp"] = comm.since(before).total("payload_bytes", "all_reduce")
         opt.step()
+        sent["dp"] = comm.since(before).total("payload_bytes", ("all_reduce", "reduce_scatter", "all_gather"))
         opt.zero_grad(set_to_none=True)
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         out["step_times"].append(time.perf_counter() - start)
         out["losses"].append(statistics.fmean(stats.losses.values()) if stats.losses else None)
         out["bytes"].append(sent)
+        if on_step is not None:
+            on_step(step, out["losses"][-1], out["step_times"][-1])
     out["state"] = {name: t.detach().to("cpu", copy=True) for name, t in stage.state_dict().items()}
     return out
 
@@ -334,13 +352,44 @@ def measured_bytes_per_axis(results: Sequence[dict], step: int = -1) -> dict[str
 
 def train(dp: int = 2, pp: int = 2, tp: int = 2, steps: int = 3, batch_size: int = 8, microbatches: int = 2,
           n_layer: int = 4, d_model: int = 64, n_head: int = 4, vocab_size: int = 256, seq_len: int = 32,
-          lr: float = 0.1, seed: int = 0) -> dict:
-    """The torchrun entry point: train on a ``dp × pp × tp`` grid; rank 0 prints the losses."""
+          lr: float = 0.1, seed: int = 0, zero: int = 0, log_every: int = 0, peak: float | str = "measured") -> dict:
+    """The torchrun entry point: train on a ``dp × pp × tp`` grid (``zero=1``: ZeRO-1 over DP).
+
+    ``log_every=k`` (torchrun's default is 1): rank 0 prints every k-th step (the mean of the replicas'
+    losses, summed to it each step; tokens/s; MFU against ``peak``), then a summary that says, from the
+    comm log, how many bytes per step each axis sent and whether its groups crossed a node boundary
+    (a node: torchrun's ``GROUP_RANK``, the ranks one agent started). Returns this rank's ``rank``,
+    ``coords``, ``node``, ``losses`` and ``bytes`` (per step and axis).
+    """
     cfg = GPTConfig(vocab_size=int(vocab_size), seq_len=int(seq_len), n_layer=int(n_layer), n_head=int(n_head),
                     d_model=int(d_model), tied_embeddings=False)
-    out = parallel3d_worker(cfg, int(dp), int(pp), int(tp), m=int(microbatches), batch_size=int(batch_size),
-                            steps=int(steps), lr=float(lr), seed=int(seed))
-    if out["losses"][0] is not None and out["coords"]["tp"] == 0:
-        print(f"rank {out['rank']} {out['coords']}: replica losses " +
-              " ".join(f"{loss:.4f}" for loss in out["losses"]), flush=True)
-    return {key: out[key] for key in ("rank", "coords", "losses", "bytes")}
+    grid, world = Grid(int(dp), int(pp), int(tp)), dist.get_world_size()
+    check_3d_setup(cfg, grid, int(microbatches), int(batch_size), world, zero=int(zero))
+    report = step_report(f"3d dp{grid.dp}·pp{grid.pp}·tp{grid.tp}", cfg, int(steps), int(batch_size) * cfg.seq_len,
+                         log_every, peak)
+    dev = device()
+
+    def on_step(step, loss, seconds):
+        # the replicas' last-stage ranks (TP index 0) hold the losses: their mean, summed to every rank
+        mine = loss is not None and grid.coords(dist.get_rank())["tp"] == 0
+        total = torch.tensor([loss if mine else 0.0, float(mine)], dtype=torch.float64, device=dev)
+        dist.all_reduce(total)
+        report.step(step, (total[0] / total[1]).item(), seconds)
+
+    out = parallel3d_worker(cfg, grid.dp, grid.pp, grid.tp, m=int(microbatches), batch_size=int(batch_size),
+                            steps=int(steps), lr=float(lr), seed=int(seed), zero=int(zero),
+                            on_step=on_step if report else None)
+    node = int(os.environ.get("GROUP_RANK", 0))  # torchrun's node index; one node under distlab.launch
+    result = {"rank": out["rank"], "coords": out["coords"], "node": node, "losses": out["losses"],
+              "bytes": out["bytes"]}
+    if report:
+        nodes = [None] * world
+        dist.all_gather_object(nodes, node)
+        summary = report.finish()
+        if dist.get_rank() == 0:
+            for axis in ("tp", "pp", "dp"):
+                crossing = any(len({nodes[r] for r in group}) > 1 for group in grid.groups(axis))
+                print(f"  {axis}: {out['bytes'][-1][axis]:,} bytes sent by rank 0 per step, groups "
+                      f"{'cross a node boundary' if crossing else 'inside one node'}", flush=True)
+        result["mfu"] = summary["mfu"]
+    return result

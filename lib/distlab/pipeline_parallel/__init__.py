@@ -35,6 +35,7 @@ from distlab.pipeline_parallel.executor import (
 )
 from distlab.pipeline_parallel.measure import (
     PHASE_COLORS,
+    STAGE_WORK,
     Bubble,
     StepsBubble,
     compute_spans,
@@ -42,6 +43,7 @@ from distlab.pipeline_parallel.measure import (
     plot_pipeline,
     step_spans,
     steps_bubble,
+    trace_bubble,
 )
 from distlab.pipeline_parallel.partition import (
     LayerCosts,
@@ -92,6 +94,6 @@ __all__ = [
     "StageModule", "build_stages", "lm_loss", "Channels", "channels", "SavedActivations", "StepStats",
     "run_schedule", "sync_tied_gradients", "split_microbatches",
     "PHASE_COLORS", "compute_spans", "step_spans", "Bubble", "measured_bubble", "StepsBubble", "steps_bubble",
-    "plot_pipeline",
+    "plot_pipeline", "STAGE_WORK", "trace_bubble",
     "check_setup", "keep_freed_memory", "pipeline_worker", "reference_states", "torch_pipelining_worker", "train",
 ]

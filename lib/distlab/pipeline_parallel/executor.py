@@ -33,7 +33,7 @@ from distlab.model import GPT, GPTConfig
 from distlab.pipeline_parallel.partition import check_partition
 from distlab.pipeline_parallel.schedules import COMMUNICATION, Action
 from distlab.runtime.subgroups import subgroup
-from distlab.runtime.timeline import span
+from distlab.runtime.timeline import counter, span
 
 __all__ = ["StageModule", "build_stages", "lm_loss", "Channels", "channels", "SavedActivations", "StepStats",
            "run_schedule", "sync_tied_gradients", "split_microbatches"]
@@ -276,6 +276,8 @@ def run_schedule(actions: Sequence[Action], stages: Mapping[int, nn.Module], mic
             inputs[key], outputs[key] = x, out
             held += 1
             stats.peak_in_flight = max(stats.peak_in_flight, held)
+            if memory is not None:
+                counter("activation bytes held", memory.live)  # a counter track in the run's trace
         elif a.kind in ("B", "I", "W"):
             if a.kind != "W":
                 if s == S - 1:
@@ -292,6 +294,8 @@ def run_schedule(actions: Sequence[Action], stages: Mapping[int, nn.Module], mic
                 held -= 1
                 if s == 0:
                     inputs.pop(key)  # token ids; later stages' inputs go with their SEND_B or local hand-over
+                if memory is not None:
+                    counter("activation bytes held", memory.live)
         else:
             raise ValueError(f"unknown action {a!r}")
     for work, _ in sends:

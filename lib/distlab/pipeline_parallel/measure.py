@@ -19,10 +19,11 @@ import statistics
 from dataclasses import dataclass
 from typing import Sequence
 
+from distlab.runtime import trace as trace_format
 from distlab.runtime.timeline import Span, idle_fraction
 
 __all__ = ["PHASE_COLORS", "compute_spans", "step_spans", "Bubble", "measured_bubble", "StepsBubble", "steps_bubble",
-           "plot_pipeline"]
+           "plot_pipeline", "STAGE_WORK", "trace_bubble"]
 
 PHASE_COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#55A868", "W": "#8C9E3F"}
 
@@ -79,6 +80,17 @@ def measured_bubble(spans: Sequence[Span], ranks: int | None = None) -> Bubble:
         marks = [Span(r, "window", "idle", start, start), Span(r, "window", "idle", end, end)]
         per_rank.append(idle_fraction([s for s in work if s.rank == r] + marks, r))
     return Bubble(tuple(per_rank), end - start)
+
+
+STAGE_WORK = r"^[FBIW]\d"  # the executor's compute spans (F3, B3, I3, W3, F3.1 …), as a regex on slice names
+
+
+def trace_bubble(trace: dict, step: int | None = None, source: str | None = None) -> trace_format.TraceBubble:
+    """The bubble read off a trace (a run's, a saved file's, or a :class:`Simulation`'s): forward and backward
+    slices only, inside each rank's ``step{step}`` slice when ``step`` is given. The same quantity as
+    :func:`measured_bubble` of the run's spans (one common window; the busiest rank's idle share)."""
+    return trace_format.bubble(trace, within=None if step is None else f"step{step}", select=STAGE_WORK,
+                               source=source)
 
 
 @dataclass(frozen=True)

@@ -25,6 +25,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import NamedTuple, Sequence
 
+from distlab.runtime import trace as trace_format
 from distlab.runtime.timeline import Span
 
 __all__ = [
@@ -399,6 +400,24 @@ class Simulation:
     def bubble(self) -> float:
         """Mean idle share of the ranks over the step."""
         return 1.0 - sum(self.busy) / (self.p * self.makespan)
+
+    def trace(self, slot: float = 1e-3, start: float = 0.0, max_events: int = trace_format.DEFAULT_MAX_EVENTS) -> dict:
+        """The simulated schedule as a Trace Event Format dict, laid out as a measured run's trace.
+
+        One unit of simulated time lasts ``slot`` seconds (give a measured forward's duration to draw the
+        prediction at the measured run's scale), starting at ``start`` seconds; merge it with a real run's
+        trace (:func:`distlab.runtime.trace.merge`) to open the predicted and the measured schedule one above
+        the other in Perfetto. :func:`distlab.runtime.trace.bubble` reads :attr:`bubble` back from it.
+        """
+        if not slot > 0:
+            raise ValueError(f"slot must be a positive number of seconds, got {slot!r}")
+        spans = [Span(s.rank, s.label, s.kind, start + s.start * slot, start + s.end * slot) for s in self.spans]
+        return trace_format.build(spans, world_size=self.p, max_events=max_events,
+                                  meta={"simulated": True, "p": self.p, "m": self.m, "v": self.v, "slot_s": slot})
+
+    def save_trace(self, path, slot: float = 1e-3, start: float = 0.0):
+        """Write :meth:`trace` to ``path`` (ui.perfetto.dev, chrome://tracing); returns the path."""
+        return trace_format.save(self.trace(slot, start), path)
 
 
 def simulate(schedule: Sequence[Sequence[Action]], m: int | None = None, v: int = 1,

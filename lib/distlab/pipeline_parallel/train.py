@@ -17,6 +17,7 @@ from typing import Callable, Sequence
 import torch
 import torch.distributed as dist
 
+from distlab.flops import step_report
 from distlab.model import GPTConfig, synthetic_batch
 from distlab.pipeline_parallel.executor import (
     SavedActivations,
@@ -88,7 +89,8 @@ def pipeline_worker(schedule: str | Sequence[Sequence[Action]] = "1f1b", cfg: GP
                     v: int = 1, batch_size: int | None = None, steps: int = 1, warmup: int = 0,
                     optimizer: str = "sgd", lr: float = 0.1, seed: int = 0, data_seed: int = 0,
                     partition: Sequence[range] | None = None, return_state: bool = True, track_memory: bool = False,
-                    executor: Callable | None = None, dtype: torch.dtype | None = None) -> dict:
+                    executor: Callable | None = None, dtype: torch.dtype | None = None,
+                    on_step: Callable | None = None) -> dict:
     """Train ``steps`` optimizer steps with a pipeline of ``p = world size`` ranks; report this rank.
 
     ``schedule`` is a name (gpipe | 1f1b | interleaved | zb-h1) or a full schedule
@@ -101,7 +103,8 @@ def pipeline_worker(schedule: str | Sequence[Sequence[Action]] = "1f1b", cfg: GP
     Returns ``rank``, ``stages`` (global indices held), ``losses`` (the batch loss per step,
     on the rank holding the last stage; else None), ``step_times`` (after ``warmup``),
     ``peak_in_flight``, ``peak_activation_bytes`` (with ``track_memory``), ``sent_bytes``
-    per step and ``state`` (this rank's parameters after training).
+    per step and ``state`` (this rank's parameters after training). ``on_step(step, loss, seconds)``
+    is called on every rank after every step (``loss`` None off the last stage).
     """
     cfg = cfg or GPTConfig()
     p, rank = dist.get_world_size(), dist.get_rank()
@@ -143,6 +146,8 @@ def pipeline_worker(schedule: str | Sequence[Sequence[Action]] = "1f1b", cfg: GP
         out["peak_in_flight"] = max(out["peak_in_flight"], stats.peak_in_flight)
         out["peak_activation_bytes"] = max(out["peak_activation_bytes"], stats.peak_activation_bytes)
         out["sent_bytes"] = stats.sent_bytes
+        if on_step is not None:
+            on_step(step, out["losses"][-1], elapsed)
     out["state"] = _merged_state(stages) if return_state else None
     return out
 
@@ -233,35 +238,45 @@ def torch_pipelining_worker(schedule: str = "1f1b", cfg: GPTConfig | None = None
 
 def train(steps: int = 20, schedule: str = "1f1b", microbatches: int = 8, virtual: int = 1, rows: int = 2,
           n_layer: int = 8, d_model: int = 128, n_head: int = 4, vocab_size: int = 256, seq_len: int = 64,
-          optimizer: str = "adamw", lr: float = 1e-3, seed: int = 0, warmup: int = 1, log_every: int = 0) -> dict:
+          optimizer: str = "adamw", lr: float = 1e-3, seed: int = 0, warmup: int = 1, log_every: int = 0,
+          peak: float | str = "measured") -> dict:
     """Train the lab's GPT with a pipeline over all ranks; the entry point for torchrun.
 
     ``rows`` sequences per micro-batch, ``microbatches`` per step. On GPUs the stages run
     in bf16 where the GPU supports it (compute capability 8.0+), else fp32. Returns this
     rank's summary: its stages and layers, the loss before and after (from the last stage),
     the median step time, tokens/s and the bytes it sent to its neighbours per step.
+    ``log_every=k`` (torchrun's default is 1): rank 0 prints every k-th step (the last stage's loss,
+    sent to it each step, tokens/s, MFU against ``peak``) and a summary.
     """
     steps, microbatches, virtual, rows = int(steps), int(microbatches), int(virtual), int(rows)
     cfg = GPTConfig(vocab_size=int(vocab_size), seq_len=int(seq_len), n_layer=int(n_layer), n_head=int(n_head),
                     d_model=int(d_model), tied_embeddings=False)
+    p = dist.get_world_size()
+    check_setup(p, microbatches, cfg.n_layer, microbatches * rows, schedule, virtual)
     dev = rank_device()
+    last = (p * virtual - 1) % p  # the rank holding the last stage knows the loss
+    report = step_report(f"pp-{p}", cfg, int(warmup) + steps, microbatches * rows * cfg.seq_len, log_every, peak,
+                         int(warmup))
+
+    def on_step(step, loss, seconds):
+        value = torch.tensor([loss or 0.0], dtype=torch.float64, device=dev)
+        dist.broadcast(value, src=last)
+        report.step(step, value.item(), seconds)
+
     dtype = torch.bfloat16 if dev.type == "cuda" and torch.cuda.is_bf16_supported() else None
     if dist.get_rank() == 0:
         print(f"pipeline of {dist.get_world_size()} ranks on {dev.type}, "
               f"{'bf16' if dtype is not None else 'fp32'} stages, schedule {schedule}", flush=True)
     result = pipeline_worker(schedule, cfg, m=microbatches, v=virtual, batch_size=microbatches * rows, steps=steps,
                              warmup=int(warmup), optimizer=optimizer, lr=float(lr), seed=int(seed),
-                             return_state=False, dtype=dtype)
-    p = dist.get_world_size()
+                             return_state=False, dtype=dtype, on_step=on_step if report else None)
     losses = torch.tensor([result["losses"][0] or 0.0, result["losses"][-1] or 0.0], dtype=torch.float64, device=dev)
-    dist.broadcast(losses, src=(p * virtual - 1) % p)  # the last stage's rank knows the loss
-    if log_every and dist.get_rank() == (p * virtual - 1) % p:
-        for i, loss in enumerate(result["losses"]):
-            if i % int(log_every) == 0 or i == len(result["losses"]) - 1:
-                print(f"step {i:4d}  loss {loss:.4f}", flush=True)
+    dist.broadcast(losses, src=last)
     step_time = statistics.median(result["step_times"]) if result["step_times"] else float("nan")
     return {"rank": result["rank"], "schedule": schedule, "stages": result["stages"],
             "layers": {s: f"{r[0]}-{r[-1]}" for s, r in result["layers"].items()},
             "loss_first": round(losses[0].item(), 4), "loss_last": round(losses[1].item(), 4),
             "step_time_s": round(step_time, 4), "tokens_per_s": round(microbatches * rows * seq_len / step_time, 1),
-            "sent_bytes_per_step": result["sent_bytes"]}
+            "sent_bytes_per_step": result["sent_bytes"], "losses": result["losses"],
+            **({"mfu": report.finish()["mfu"]} if report else {})}

@@ -16,6 +16,8 @@ changed without the exercises.
   and ``snapshot``/``since`` to read what a piece of code sent
 - ``subgroups``: process groups over some of the ranks, made once per default group so warm ranks reuse them
 - ``timeline``: spans on one clock across ranks, and their Gantt chart
+- ``trace``: a run as a Trace Event Format file (Perfetto, chrome://tracing), and the numbers read off one
+  (compute, communication, the share hidden, idle, the bubble)
 - ``payload``: how jobs and results travel (cloudpickle, with code objects kept whole)
 - ``reaper``: the process that ends the ranks if the launcher dies
 - ``kernels``: the Jupyter kernels notebooks run in, forked warm from one factory, and the client that drives them

@@ -131,6 +131,9 @@ class CommLog:
     ops: dict[str, OpStats] = field(default_factory=lambda: defaultdict(OpStats))
     events: list[tuple[str, int, float, float]] = field(default_factory=list)  # op, bytes, start, end
     ledger: Ledger = field(default_factory=Ledger)
+    # One (peer, group) per event, in the same order: the global rank on the other end of a point-to-point op
+    # (-1 for collectives and any-source receives not yet completed) and the group ("world" or its ranks).
+    peers: list[tuple[int, str]] = field(default_factory=list)
 
     def total(self, attribute: str = "wire_bytes", ops: tuple[str, ...] | None = None) -> float:
         return sum(getattr(s, attribute) for name, s in self.ops.items() if ops is None or name in ops)
@@ -169,6 +172,7 @@ _backend_name: str | None = None  # the default group's backend, looked up once 
 _board = None  # shared fingerprint board: 4 doubles per rank (sequence, op, size, dtype)
 _board_rank = 0
 _board_seq = 0
+_group_keys: dict[int, str] = {}  # id(group) -> its key, looked up once per job (the p2p path stays cheap)
 
 
 def current_log() -> CommLog:
@@ -181,6 +185,7 @@ def reset(rank: int, clock_origin: float) -> None:
     _log = CommLog(rank=rank)
     _clock_origin = clock_origin
     _backend_name = None
+    _group_keys.clear()
     _unfinished.clear()
     with _sends_lock:
         _unfinished_sends.clear()
@@ -225,6 +230,15 @@ def _is_world(group) -> bool:
 
 def _group_key(group) -> str:
     return "world" if _is_world(group) else ",".join(map(str, dist.get_process_group_ranks(group)))
+
+
+def _cached_group_key(group) -> str:
+    if _is_world(group):
+        return "world"
+    key = _group_keys.get(id(group))
+    if key is None:
+        key = _group_keys[id(group)] = _group_key(group)
+    return key
 
 
 def _peer(op: str, args: tuple, kwargs: dict, group) -> int:
@@ -403,6 +417,7 @@ def _wrap(op: str, real: Callable) -> Callable:
         start = time.perf_counter() - _clock_origin
         index = len(_log.events)
         _log.events.append((op, size, start, float("nan")))
+        _log.peers.append((peer, _cached_group_key(group) if dist.is_initialized() else "world"))
         _recorder.depth += 1
         blocking = not nonblocking and not _argument(op, args, kwargs, "async_op", False)
         if blocking:
@@ -420,6 +435,8 @@ def _wrap(op: str, real: Callable) -> Callable:
         if op in _RECVS:  # a receive from any source learns its peer when it completes
             source = work if op == "recv" and isinstance(work, int) else peer
             _log.ledger.received[source if source is not None else -1] += size
+            if peer == -1 and source is not None:
+                _log.peers[index] = (int(source), _log.peers[index][1])
         if work is None or blocking:
             _finish_event(_log, index)
             return work
@@ -503,6 +520,7 @@ def _wrap_functional(name: str, real: Callable) -> Callable:
         start = time.perf_counter() - _clock_origin
         log, index = _log, len(_log.events)
         log.events.append((logged, size, start, float("nan")))
+        log.peers.append((-1, "functional"))
         _recorder.depth += 1
         try:
             return real(*args, **kwargs)

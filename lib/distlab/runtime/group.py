@@ -117,6 +117,19 @@ class JobResult(NamedTuple):
     stdout: list[str]
     stderr: list[str]
     wall_time: float
+    counters: tuple = ()  # distlab.runtime.timeline.Counter samples, every rank's
+    phases: tuple = ()  # Phase: what the launcher itself did and saw (start, job, failure), for the trace
+    profiles: tuple = ()  # per rank: its torch.profiler events (launch(..., profile=True)), else None
+
+
+class Phase(NamedTuple):
+    """A step of the launcher's own, in seconds since the job was sent (``rank``: a rank's track, else its own)."""
+
+    name: str
+    start: float
+    end: float
+    rank: int | None = None
+    args: dict | None = None
 
 
 def print_rank_output(stdout: list[str], stderr: list[str]) -> None:
@@ -139,6 +152,8 @@ class RankGroup:
         self.conns, self.procs, self.reaper, self.lifeline = [], [], None, None
         self.dump_offsets: dict[int, int] = {}  # where a rank's stack dump starts in its stderr
         self.job_id = 0
+        self.created_at = time.perf_counter()
+        self.ready_at: dict[int, float] = {}  # when each rank joined the process group (seen during the first job)
         ctx = forkserver_context()
         self.store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=max(30.0, self.collective_timeout)))
@@ -179,7 +194,7 @@ class RankGroup:
     def alive(self) -> bool:
         return bool(self.procs) and all(p.is_alive() for p in self.procs)
 
-    def run(self, fn: Callable, args: tuple, kwargs: dict, timeout: float | None) -> JobResult:
+    def run(self, fn: Callable, args: tuple, kwargs: dict, timeout: float | None, profile: bool = False) -> JobResult:
         __tracebackhide__ = True  # IPython: show the rank's traceback, not the launcher's frames
         try:
             job_payload = payload.dumps((fn, tuple(args), dict(kwargs)))
@@ -190,7 +205,7 @@ class RankGroup:
         self.dump_offsets = {}
         self._clear_output()
         start = time.perf_counter()
-        job = (self.job_id, job_payload, start, os.getcwd(), list(sys.path))
+        job = (self.job_id, job_payload, start, os.getcwd(), list(sys.path), {"profile": bool(profile)})
         for conn in self.conns:
             try:
                 conn.send(job)
@@ -198,21 +213,50 @@ class RankGroup:
                 pass  # that rank is gone; collecting reports how it ended
         outcome = self._collect(start, timeout)
         wall = time.perf_counter() - start
+        phases = self._phases(start, wall, outcome if isinstance(outcome, LaunchError) else None)
         stdout = [self._read_output(r) for r in range(self.world_size)]
         stderr = [self._read_output(r, stream="err")[:self.dump_offsets.get(r)] for r in range(self.world_size)]
+        values, comm_logs, spans, counters, profiles = self._gathered
         if isinstance(outcome, LaunchError):
+            # What happened up to the failure, for its trace (launch attaches it to the error as ``error.run``).
+            outcome.partial = JobResult(values, comm_logs, sorted(spans, key=lambda s: (s.rank, s.start)), stdout,
+                                        stderr, wall, tuple(counters), phases, tuple(profiles))
             if not (isinstance(outcome, ReturnValueError) or getattr(outcome, "group_intact", False)):
                 self.close()  # ranks left mid-communication (or dead): the next job needs fresh ones
             print_rank_output(stdout, [diagnose.without_fault_dump(text) for text in stderr])
             raise outcome
         values, comm_logs, spans = outcome
-        return JobResult(values, comm_logs, spans, stdout, stderr, wall)
+        return JobResult(values, comm_logs, spans, stdout, stderr, wall, tuple(counters), phases, tuple(profiles))
+
+    def _phases(self, start: float, wall: float, failure: LaunchError | None) -> tuple[Phase, ...]:
+        """The launcher's side of the job, for its trace: starting the ranks (a group's first job), the job,
+        each rank's report, and on a failure the report and where each silent rank was blocked."""
+        phases = []
+        if self.job_id == 1:
+            joined = max(self.ready_at.values(), default=start)
+            phases.append(Phase("start ranks", self.created_at - start, joined - start))
+            phases += [Phase(f"rank {r} joined", t - start, t - start) for r, t in sorted(self.ready_at.items())]
+        phases.append(Phase(f"job {self.job_id}", 0.0, wall))
+        phases += [Phase(f"rank {r} reported", t - start, t - start) for r, t in sorted(self._reported_at.items())]
+        if failure is not None:
+            end = wall
+            for r, (op, seconds, peer) in sorted(self._in_op(range(self.world_size), start + end).items()):
+                if r not in self._reported_at:
+                    phases.append(Phase(f"blocked in {op}", end - seconds, end, r, {"peer": peer}))
+            lines = str(failure).strip().splitlines()
+            phases.append(Phase(f"failure: {type(failure).__name__}", end, end, None,
+                                {"message": "\n".join(lines[:20])[:4000]}))
+        return tuple(phases)
 
     def _collect(self, start: float, timeout: float | None):
         n = self.world_size
         values: list[Any] = [None] * n
         comm_logs = [CommLog(rank=r) for r in range(n)]
         spans: list[Span] = []
+        counters: list = []
+        profiles: list = [None] * n
+        self._gathered = (values, comm_logs, spans, counters, profiles)  # kept whole for a failed job's trace
+        self._reported_at: dict[int, float] = {}
         ledgers: list[dict] = [{} for _ in range(n)]
         pending = set(range(n))
         errors: dict[int, dict] = {}
@@ -232,6 +276,8 @@ class RankGroup:
                     pending.discard(r)
                     continue
                 kind = message[0]
+                if kind == "ready":
+                    self.ready_at[r] = time.perf_counter()
                 if kind == "ready" or (message[1] is not None and message[1] != self.job_id):
                     continue  # joined the process group, or a report of an earlier job
                 if kind == "ok":
@@ -245,6 +291,13 @@ class RankGroup:
                     comm_logs[r].ops.update(message[3])
                     spans += message[4]
                     ledgers[r] = message[5]
+                if len(message) > 6:
+                    extras = message[6]
+                    comm_logs[r].events[:] = extras["events"]
+                    comm_logs[r].peers[:] = extras["peers"]
+                    counters += extras["counters"]
+                    profiles[r] = extras["profile"]
+                self._reported_at[r] = time.perf_counter()
                 pending.discard(r)
                 settled_at = time.perf_counter()
             now = time.perf_counter()

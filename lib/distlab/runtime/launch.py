@@ -52,13 +52,13 @@ from distlab.runtime.errors import (
     ReturnValueError,
     UnmatchedCommunication,
 )
-from distlab.runtime.group import LIVE_GROUPS, RankGroup, print_rank_output
+from distlab.runtime.group import LIVE_GROUPS, JobResult, Phase, RankGroup, print_rank_output
 from distlab.runtime.interrupts import InterruptGuard, close_quietly
-from distlab.runtime.timeline import Span
+from distlab.runtime.timeline import Counter, Span
 
-__all__ = ["launch", "Ranks", "Run", "shutdown", "resolve_backend", "default_threads", "DEFAULT_COLLECTIVE_TIMEOUT",
-           "MAX_CPU_RANKS", "LaunchError", "RankFailed", "RankCrashed", "CollectiveTimeout", "LaunchTimeout",
-           "UnmatchedCommunication", "ReturnValueError", "LaunchInterrupted"]
+__all__ = ["launch", "Ranks", "Run", "last_run", "shutdown", "resolve_backend", "default_threads",
+           "DEFAULT_COLLECTIVE_TIMEOUT", "MAX_CPU_RANKS", "LaunchError", "RankFailed", "RankCrashed",
+           "CollectiveTimeout", "LaunchTimeout", "UnmatchedCommunication", "ReturnValueError", "LaunchInterrupted"]
 
 DEFAULT_COLLECTIVE_TIMEOUT = 10.0  # seconds all running ranks may sit blocked in communication (a deadlock)
 MAX_CPU_RANKS = 32
@@ -67,7 +67,8 @@ MAX_CPU_RANKS = 32
 class Run(list):
     """The ranks' return values in rank order, plus what was measured while they ran."""
 
-    def __init__(self, values, comm, spans, stdout, stderr, wall_time, backend):
+    def __init__(self, values, comm, spans, stdout, stderr, wall_time, backend, counters=(), phases=(),
+                 profiles=(), failure: LaunchError | None = None):
         super().__init__(values)
         self.comm: list[CommLog] = comm
         self.spans: list[Span] = spans
@@ -75,6 +76,31 @@ class Run(list):
         self.stderr: list[str] = stderr
         self.wall_time: float = wall_time
         self.backend: str = backend
+        self.counters: list[Counter] = list(counters)
+        self.phases: list[Phase] = list(phases)
+        self.profiles: list = list(profiles)  # per rank: torch.profiler events (profile=True), else None
+        self.failure = failure  # the error a failed run raised (its ``.run`` is this record up to the failure)
+
+    @classmethod
+    def from_job(cls, job: JobResult, backend: str, failure: LaunchError | None = None) -> "Run":
+        return cls(job.values, job.comm, job.spans, job.stdout, job.stderr, job.wall_time, backend, job.counters,
+                   job.phases, job.profiles, failure)
+
+    def trace(self, **options) -> dict:
+        """This run as a Trace Event Format dict (see :func:`distlab.runtime.trace.from_run` for ``options``)."""
+        from distlab.runtime import trace  # noqa: PLC0415  trace imports this module (for Run)
+
+        return trace.from_run(self, **options)
+
+    def save_trace(self, path, **options):
+        """Write this run's trace (ui.perfetto.dev, chrome://tracing) to ``path``; returns the path.
+
+        ``options``: ``max_events`` (a cap; events past it are left out, with a warning saying how many),
+        ``window=(start, end)`` seconds since the job was sent. See :mod:`distlab.runtime.trace`.
+        """
+        from distlab.runtime import trace  # noqa: PLC0415  as above
+
+        return trace.save(self.trace(**options), path)
 
     @property
     def world_size(self) -> int:
@@ -167,10 +193,35 @@ def _interrupted(world_size: int) -> LaunchInterrupted:
 
 # ---------------------------------------------------------------- public API
 
+_last: list[Run] = []  # the most recent run of this process, failed or not
+
+
+def last_run() -> Run | None:
+    """The most recent run, finished or failed (a failed one holds what happened up to the failure): in a
+    notebook, ``distlab.last_run().save_trace("fail.json")`` after a cell that raised."""
+    return _last[0] if _last else None
+
+
+def _one_job(group: RankGroup, fn, args, kwargs, timeout, profile: bool, backend: str) -> Run:
+    """One job on ``group``, kept as :func:`last_run`; a failed job's record rides on its error as ``error.run``."""
+    __tracebackhide__ = True
+    try:
+        job = group.run(fn, args, kwargs, timeout, profile=profile)
+    except LaunchError as error:
+        partial = getattr(error, "partial", None)
+        if partial is not None:
+            error.run = Run.from_job(partial, backend, failure=error)
+            _last[:] = [error.run]
+        raise
+    run = Run.from_job(job, backend)
+    _last[:] = [run]
+    return run
+
+
 def launch(fn: Callable, world_size: int = 4, args: tuple = (), kwargs: dict | None = None, *,
            backend: str = "auto", timeout: float | None = None,
            collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT, threads: int | None = None,
-           warm: bool = False, show_output: bool = True) -> Run:
+           warm: bool = False, show_output: bool = True, profile: bool = False) -> Run:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh ranks; return their values in rank order.
 
     ``fn`` may be defined in a notebook cell. Inside it, ``torch.distributed`` is
@@ -178,6 +229,9 @@ def launch(fn: Callable, world_size: int = 4, args: tuple = (), kwargs: dict | N
     under torchrun. ``collective_timeout`` bounds how long a rank waits for the
     others in one collective; ``timeout`` bounds the whole job. With
     ``warm=True`` the ranks stay alive for the next launch of the same shape.
+    ``profile=True`` runs each rank under ``torch.profiler`` (CPU activities; CUDA's too on GPU ranks),
+    with every ``distlab.span`` a ``record_function`` range; ``run.save_trace(path)`` then merges the
+    ranks' profiles into the run's one trace file (:mod:`distlab.runtime.trace`).
     """
     __tracebackhide__ = True
     args, kwargs = _check_arguments(fn, args, kwargs, threads)
@@ -185,13 +239,13 @@ def launch(fn: Callable, world_size: int = 4, args: tuple = (), kwargs: dict | N
     collective_timeout = _seconds("collective_timeout", collective_timeout)
     if warm:
         return Ranks.shared(world_size, backend, collective_timeout, threads).run(
-            fn, args, kwargs, timeout=timeout, show_output=show_output)
+            fn, args, kwargs, timeout=timeout, show_output=show_output, profile=profile)
     backend = resolve_backend(backend, world_size)
     with InterruptGuard() as guard:
         group = None
         try:
             group = RankGroup(world_size, backend, collective_timeout, threads or default_threads(world_size))
-            run = Run(*group.run(fn, args, kwargs, timeout), backend)
+            run = _one_job(group, fn, args, kwargs, timeout, profile, backend)
         except KeyboardInterrupt:
             raise _interrupted(world_size) from None
         finally:
@@ -238,14 +292,14 @@ class Ranks:
         return self
 
     def run(self, fn: Callable, args: tuple = (), kwargs: dict | None = None, *,
-            timeout: float | None = None, show_output: bool = True) -> Run:
+            timeout: float | None = None, show_output: bool = True, profile: bool = False) -> Run:
         __tracebackhide__ = True
         args, kwargs = _check_arguments(fn, args, kwargs, self.threads)
         timeout = _seconds("timeout", timeout, optional=True)
         with InterruptGuard() as guard:
             try:
                 self.start()
-                run = Run(*self._group.run(fn, args, kwargs, timeout), self.backend)
+                run = _one_job(self._group, fn, args, kwargs, timeout, profile, self.backend)
             except BaseException as error:
                 if isinstance(error, ReturnValueError) or getattr(error, "group_intact", False):
                     raise  # the ranks are clean: keep them for the next job

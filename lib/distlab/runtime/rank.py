@@ -23,6 +23,7 @@ import sys
 import time
 import traceback
 import warnings
+from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from datetime import timedelta
 from multiprocessing import forkserver
@@ -42,6 +43,7 @@ OP_NAMES = list(comm.WIRE_BYTES)
 # peer of the oldest isend still in flight (-1: none), which tells a wrong neighbour from a deadlock.
 STATUS_FIELDS = 4
 STACK_DUMP_SIGNAL = signal.SIGUSR1  # the launcher asks a blocked rank for its Python stack with it
+CLOCK_MARK = "distlab.clock"  # the record_function range a profiled job opens first; it ends at a known time
 
 
 @dataclass(frozen=True)
@@ -108,17 +110,19 @@ def main(spec: RankSpec, conn, status, board) -> None:
 
 
 def _run_job(rank: int, baseline: "ProcessState", job_id: int, job_payload: bytes, clock_origin: float, cwd: str,
-             sys_path: list[str]):
+             sys_path: list[str], options: dict | None = None):
     baseline.restore()
     os.chdir(cwd)
     sys.path[:] = sys_path
     torch.manual_seed(_FRESH_TORCH_SEED)
     comm.reset(rank, clock_origin)
-    timeline.reset(clock_origin)
+    profiler = _Profiler(clock_origin) if (options or {}).get("profile") else None
+    timeline.reset(clock_origin, annotate=profiler.annotate if profiler else None, memory=_cuda_memory_sampler())
     try:
         fn, args, kwargs = payload.loads(job_payload)
-        value = fn(*args, **kwargs)
-        _drain_async_ops()
+        with profiler if profiler is not None else nullcontext():
+            value = fn(*args, **kwargs)
+            _drain_async_ops()
         try:
             result = payload.dumps(value)
         except Exception as error:
@@ -133,7 +137,82 @@ def _run_job(rank: int, baseline: "ProcessState", job_id: int, job_payload: byte
         sys.stderr.flush()
     log = comm.current_log()
     ledger = {name: dict(getattr(log.ledger, name)) for name in ("collectives", "sent", "received")}
-    return outcome + (dict(log.ops), timeline.collect(rank, log.events), ledger)
+    extras = {"events": list(log.events), "peers": list(log.peers), "counters": timeline.collect_counters(rank),
+              "profile": profiler.events() if profiler is not None else None}
+    return outcome + (dict(log.ops), timeline.collect(rank, log.events), ledger, extras)
+
+
+def _cuda_memory_sampler():
+    """On a GPU rank, the allocator's bytes sampled at every span's end (a trace's memory counter); else None."""
+    if not (dist.is_initialized() and dist.get_backend() == "nccl"):
+        return None
+    dev = device()
+    return lambda: ("cuda memory allocated", torch.cuda.memory_allocated(dev))
+
+
+@contextmanager
+def _stderr_silenced():
+    """fd 2 to /dev/null for the duration (C++ logging, which Python's redirections cannot catch)."""
+    sys.stderr.flush()
+    saved = os.dup(2)
+    devnull = os.open(os.devnull, os.O_WRONLY)
+    try:
+        os.dup2(devnull, 2)
+        yield
+    finally:
+        os.dup2(saved, 2)
+        os.close(saved)
+        os.close(devnull)
+
+
+class _Profiler:
+    """``torch.profiler`` around one job: CPU activities, and CUDA's where this rank has a GPU.
+
+    Every distlab span is also a ``record_function`` range (``annotate``), which is how the profiler's
+    clock is put on distlab's: :mod:`distlab.runtime.trace` pairs each range with its span. The events
+    come back as the profiler's Chrome trace, read from a temporary file.
+    """
+
+    def __init__(self, clock_origin: float):
+        from torch.profiler import ProfilerActivity, profile, record_function  # noqa: PLC0415  only when profiling
+
+        activities = [ProfilerActivity.CPU]
+        if dist.is_initialized() and dist.get_backend() == "nccl":
+            activities.append(ProfilerActivity.CUDA)
+        self._profile = profile(activities=activities)
+        self.annotate = record_function
+        self._trace: list[dict] | None = None
+        self._error: str | None = None
+        self._origin, self._mark = clock_origin, 0.0
+
+    def __enter__(self):
+        with _stderr_silenced():  # kineto logs "profiler_start" to fd 2: not the user's output
+            self._profile.__enter__()
+        with self.annotate(CLOCK_MARK):  # a first pairing of the two clocks, even for a job with no spans
+            self._mark = time.perf_counter() - self._origin  # the range's end, as a span's end is stamped
+        return self
+
+    def __exit__(self, *exc):
+        import json  # noqa: PLC0415  only when profiling
+        import tempfile  # noqa: PLC0415  as above
+
+        try:
+            with _stderr_silenced():
+                self._profile.__exit__(*exc)
+            with tempfile.NamedTemporaryFile(suffix=".json", delete=False) as f:
+                path = f.name
+            try:
+                self._profile.export_chrome_trace(path)
+                with open(path, encoding="utf-8") as f:
+                    self._trace = json.load(f).get("traceEvents", [])
+            finally:
+                os.unlink(path)
+        except Exception as error:  # a broken profiler must not fail the job it watched
+            self._error = f"{type(error).__name__}: {error}"
+        return False
+
+    def events(self) -> dict:
+        return {"events": self._trace or [], "error": self._error, "mark": self._mark}
 
 
 def _drain_async_ops() -> None:

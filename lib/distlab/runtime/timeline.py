@@ -4,6 +4,11 @@ Inside a rank, ``with distlab.span("backward"):`` marks compute; every
 collective is recorded automatically by :mod:`distlab.runtime.comm` as a "comm" span
 (async ops last from issue to completion, so overlap with compute is visible).
 All ranks on one machine read the same monotonic clock, so spans line up.
+
+``distlab.counter("activation bytes", n)`` records one sample of a quantity that changes over the
+job (memory, mostly); :mod:`distlab.runtime.trace` draws each name as a counter track. While a
+job is profiled (``launch(..., profile=True)``) every span is also a ``torch.profiler``
+``record_function`` range, so the profiler's own trace shows distlab's labels.
 """
 
 from __future__ import annotations
@@ -28,14 +33,41 @@ class Span:
         return self.end - self.start
 
 
+@dataclass(frozen=True)
+class Counter:
+    """One sample of a named quantity on a rank (``time`` in seconds since the job started)."""
+
+    rank: int
+    name: str
+    time: float
+    value: float
+
+
 _spans: list[tuple[str, str, float, float]] = []
+_counters: list[tuple[str, float, float]] = []
 _clock_origin = 0.0
+_annotate = None  # torch.profiler.record_function while the job is profiled, else None
+_memory = None  # () -> (name, bytes) sampled at every span's end (a GPU rank's allocator), else None
 
 
-def reset(clock_origin: float) -> None:
-    global _clock_origin
+def reset(clock_origin: float, annotate=None, memory=None) -> None:
+    """Start a new job's timeline. ``annotate(label)``: a context manager each span also enters (the
+    profiler's ``record_function``); ``memory()``: ``(name, bytes)`` sampled as a counter at each span's end."""
+    global _clock_origin, _annotate, _memory
     _spans.clear()
+    _counters.clear()
     _clock_origin = clock_origin
+    _annotate, _memory = annotate, memory
+
+
+def counter(name: str, value: float) -> None:
+    """Record one sample of ``name`` (bytes held, say) now, for the trace's counter track of this rank."""
+    _counters.append((str(name), time.perf_counter() - _clock_origin, float(value)))
+
+
+def collect_counters(rank: int) -> list[Counter]:
+    """This rank's counter samples for the job, in time order."""
+    return [Counter(rank, name, t, value) for name, t, value in _counters]
 
 
 @contextmanager
@@ -43,11 +75,20 @@ def span(label: str, kind: str = "compute"):
     """Record the enclosed block as one span of this rank's timeline."""
     if kind not in KIND_COLORS:
         raise ValueError(f"kind must be one of {sorted(KIND_COLORS)}, not {kind!r}")
+    annotation = _annotate(label) if _annotate is not None else None
+    if annotation is not None:
+        annotation.__enter__()
     start = time.perf_counter() - _clock_origin
     try:
         yield
     finally:
-        _spans.append((label, kind, start, time.perf_counter() - _clock_origin))
+        end = time.perf_counter() - _clock_origin
+        _spans.append((label, kind, start, end))
+        if annotation is not None:
+            annotation.__exit__(None, None, None)
+        if _memory is not None:
+            name, value = _memory()
+            _counters.append((name, end, float(value)))
 
 
 def collect(rank: int, comm_events) -> list[Span]:

@@ -17,11 +17,13 @@ from __future__ import annotations
 import contextlib
 import statistics
 import time
+from typing import Callable
 
 import torch
 import torch.distributed as dist
 from torch.distributed.device_mesh import init_device_mesh
 
+from distlab.flops import step_report
 from distlab.memory import ActivationMeter
 from distlab.model import GPT, GPTConfig, synthetic_batch
 from distlab.reference import make_optimizer
@@ -71,7 +73,8 @@ def tp_step(cfg: GPTConfig, tp: int, sequence_parallel: bool = False, batch: int
 
 def train_worker(cfg: GPTConfig, tp: int, sequence_parallel: bool = False, steps: int = 20, batch: int = 8,
                  lr: float = 1e-3, seed: int = 0, data_seed: int = 0, warmup: int = 0,
-                 first_group_only: bool = False, autocast: torch.dtype | None = None) -> dict | None:
+                 first_group_only: bool = False, autocast: torch.dtype | None = None,
+                 on_step: Callable | None = None) -> dict | None:
     """Train the TP GPT with AdamW (each rank updates its own slices: Adam is elementwise).
 
     Returns the losses of every step (equal on every rank of a group) and the step times
@@ -79,6 +82,7 @@ def train_worker(cfg: GPTConfig, tp: int, sequence_parallel: bool = False, steps
     are timeline spans. ``first_group_only``: only ranks ``0 … tp-1`` train, the others
     return ``None`` at once — to time ``tp`` ranks without more processes than that competing
     for the cores. ``autocast``: a dtype to run forward in on a GPU (fp32 weights and Adam).
+    ``on_step(step, loss, seconds)`` is called after every step (a torchrun job's per-step line).
     """
     check_tp_sizes(cfg, tp, sequence_parallel)
     group, dev = tp_group(tp), _device()
@@ -103,8 +107,11 @@ def train_worker(cfg: GPTConfig, tp: int, sequence_parallel: bool = False, steps
         if dev.type == "cuda":
             torch.cuda.synchronize(dev)
         dist.barrier(group=group)
+        elapsed = time.perf_counter() - start
         if step >= warmup:
-            times.append(time.perf_counter() - start)
+            times.append(elapsed)
+        if on_step is not None:
+            on_step(step, losses[-1], elapsed)
     return {"tp_rank": tp_rank(group), "losses": losses, "step_times": times}
 
 
@@ -198,13 +205,16 @@ def _undo_rank_major(rank_major: torch.Tensor, cfg: GPTConfig, tp: int) -> torch
 
 def train(steps: int = 20, tp: int | None = None, sequence_parallel: bool = False, batch_size: int = 8,
           n_layer: int = 2, d_model: int = 128, n_head: int = 4, vocab_size: int = 256, seq_len: int = 64,
-          lr: float = 1e-3, seed: int = 0, warmup: int = 2, log_every: int = 0, precision: str = "auto") -> dict:
+          lr: float = 1e-3, seed: int = 0, warmup: int = 2, log_every: int = 0, precision: str = "auto",
+          peak: float | str = "measured") -> dict:
     """Train the lab's GPT tensor-parallel over all ranks; the entry point for torchrun.
 
     ``tp`` defaults to the world size (one TP group). Every rank sees the same batch of
     ``batch_size`` sequences. ``precision``: "auto" (bf16 autocast on a bf16 GPU, else fp32),
     "bf16" or "fp32"; rank 0 prints the choice. Returns this rank's summary: first and last
     loss, median step time, tokens/s, and the collectives of one step (calls and payload per kind).
+    ``log_every=k`` (torchrun's default is 1): rank 0 prints every k-th step (loss, tokens/s, MFU
+    against ``peak``) and a summary.
     """
     world = dist.get_world_size()
     tp = world if tp is None else int(tp)
@@ -217,15 +227,14 @@ def train(steps: int = 20, tp: int | None = None, sequence_parallel: bool = Fals
     autocast, said = choose_precision(precision, _device())
     if dist.get_rank() == 0:
         print(said, flush=True)
+    report = step_report(f"tp-{tp}", cfg, int(steps) + int(warmup), int(batch_size) * cfg.seq_len, log_every, peak,
+                         int(warmup))
     before = comm_snapshot()
     result = train_worker(cfg, tp, bool(sequence_parallel), steps=int(steps), batch=int(batch_size), lr=float(lr),
-                          seed=int(seed), warmup=int(warmup), autocast=autocast)
+                          seed=int(seed), warmup=int(warmup), autocast=autocast,
+                          on_step=report.step if report else None)
     total = comm_since(before)
     n_steps = int(steps) + int(warmup)
-    if log_every and dist.get_rank() == 0:
-        for i, loss in enumerate(result["losses"]):
-            if i % int(log_every) == 0 or i == len(result["losses"]) - 1:
-                print(f"step {i:4d}  loss {loss:.4f}", flush=True)
     step_time = statistics.median(result["step_times"]) if result["step_times"] else float("nan")
     return {
         "rank": dist.get_rank(), "tp": tp, "sequence_parallel": bool(sequence_parallel),
@@ -233,4 +242,5 @@ def train(steps: int = 20, tp: int | None = None, sequence_parallel: bool = Fals
         "step_time_s": round(step_time, 4), "tokens_per_s": round(int(batch_size) * cfg.seq_len / step_time, 1),
         "collectives_per_step": {kind: (calls // n_steps, payload // n_steps) for kind, (calls, payload) in
                                  sorted(total.items())},
+        "losses": result["losses"], **({"mfu": report.finish()["mfu"]} if report else {}),
     }

@@ -29,6 +29,7 @@ from distlab.data_parallel import (
     build_model,
     local_batches,
 )
+from distlab.flops import step_report
 from distlab.memory import tensor_bytes
 from distlab.model import Block, GPTConfig
 from distlab.reference import make_optimizer
@@ -263,7 +264,7 @@ def train_worker(stage: int = 3, impl: str = "scratch", cfg: GPTConfig | None = 
                  warmup: int = 0, return_state: bool = True, measure_state: bool = False, measure_peak: bool = False,
                  trace: bool = False, sharded_optimizer: Callable | None = None, reduce_fn: Callable | None = None,
                  unshard_fn: Callable | None = None, reshard_fn: Callable | None = None,
-                 micro_batches: int = 1) -> dict:
+                 micro_batches: int = 1, on_step: Callable | None = None) -> dict:
     """Train on this rank (inside ``distlab.launch``/``Ranks.run`` or torchrun) and report.
 
     ``batch_size`` is the global batch, split over the ranks; ``micro_batches`` > 1 splits each
@@ -274,6 +275,7 @@ def train_worker(stage: int = 3, impl: str = "scratch", cfg: GPTConfig | None = 
     PyTorch's FSDP2 expects equal initial weights, so it gets rank 0's seed everywhere.
     ``dtype="bf16"``: mixed precision. ``measure_state``: bytes held after the last step's optimizer step (before
     ``zero_grad``); ``measure_peak``: peak memory of one more, untimed step. ``comm``: traffic per timed step.
+    ``on_step(step, loss, seconds)`` is called after every step (a torchrun job's per-step line).
     """
     _require_process_group()
     validate(dist.get_world_size(), stage, impl, cfg, batch_size, wrap, shard_size, dtype, model, micro_batches)
@@ -325,8 +327,11 @@ def train_worker(stage: int = 3, impl: str = "scratch", cfg: GPTConfig | None = 
         else:
             one_step()
         dist.barrier()
+        elapsed = time.perf_counter() - start
         if warmup <= step < warmup + steps:
-            times.append(time.perf_counter() - start)
+            times.append(elapsed)
+        if on_step is not None and step < warmup + steps:
+            on_step(step, losses[-1], elapsed)
         if step == warmup - 1:  # count the timed steps only
             before = comm_snapshot()
         if last_timed:
@@ -345,23 +350,29 @@ def train(steps: int = 20, stage: int = 3, impl: str = "scratch", batch_size: in
           d_model: int = 128, n_head: int = 4, vocab_size: int = 256, seq_len: int = 64, dtype: str | None = None,
           optimizer: str = "adamw", lr: float = 1e-3, wrap: str = "block", shard_size: int | None = None,
           prefetch: bool = True, checkpointing: bool = False, warmup: int = 2, seed: int = 0,
-          measure_peak: bool = False, micro_batches: int = 1) -> dict:
+          measure_peak: bool = False, micro_batches: int = 1, log_every: int = 0,
+          peak: float | str = "measured") -> dict:
     """Train the lab's GPT with one stage; the entry point for torchrun.
 
     ``batch_size`` is per rank (the global batch is ``batch_size · world_size``), run as ``micro_batches``
     forward/backward passes per step (gradient accumulation). Returns this
     rank's summary: losses, median step time, tokens/s over all ranks, bytes held per rank,
     bytes moved per step by each collective, and (``measure_peak``) peak memory.
+    ``log_every=k`` (torchrun's default is 1): rank 0 prints every k-th step (its shard's loss, tokens/s,
+    MFU against ``peak``) and a summary.
     """
     _require_process_group()
     cfg = GPTConfig(vocab_size=int(vocab_size), seq_len=int(seq_len), n_layer=int(n_layer), n_head=int(n_head),
                     d_model=int(d_model))
     world = dist.get_world_size()
+    report = step_report(f"zero-{int(stage)}", cfg, int(warmup) + int(steps), int(batch_size) * world * cfg.seq_len,
+                         log_every, peak, int(warmup))
     out = train_worker(int(stage), impl, cfg, steps=int(steps), batch_size=int(batch_size) * world,
                        seed=int(seed), optimizer=optimizer, lr=float(lr), dtype=dtype, wrap=wrap,
                        shard_size=shard_size, prefetch=bool(prefetch), checkpointing=bool(checkpointing),
                        warmup=int(warmup), return_state=False, measure_state=impl == "scratch",
-                       measure_peak=bool(measure_peak), micro_batches=int(micro_batches))
+                       measure_peak=bool(measure_peak), micro_batches=int(micro_batches),
+                       on_step=report.step if report else None)
     step_time = statistics.median(out["step_times"])
     return {
         "rank": out["rank"], "stage": STAGES[int(stage)], "impl": impl, "world_size": world,
@@ -369,6 +380,7 @@ def train(steps: int = 20, stage: int = 3, impl: str = "scratch", batch_size: in
         "step_time_s": round(step_time, 4), "tokens_per_s": round(int(batch_size) * world * cfg.seq_len / step_time, 1),
         "state_bytes": out["state_bytes"], "peak_memory": out["peak_memory"],
         "comm_bytes_per_step": {op: round(row["wire"]) for op, row in out["comm"].items()},
+        "losses": out["losses"], **({"mfu": report.finish()["mfu"]} if report else {}),
     }
 
 
