@@ -50,3 +50,13 @@ def solution_namespace(name: str, lab: int) -> dict:
         if cell.cell_type == "code" and f"# BEGIN SOLUTION {lab}." in cell.source:
             exec(cell.source, namespace)  # noqa: S102  the solution notebook's own exercise code
     return namespace
+
+
+def demo_output(notebook: Path) -> str:
+    """What a solution notebook prints outside its quiz checks, for tests that no demo gives a key away.
+
+    Timings (cells outside nbval's comparison) change with every run and can meet a key's digits by chance
+    (lab 07 once printed a measured "slowest/mean 1.88" beside Q7.2's 1.875): they give nothing away."""
+    return "".join(o.get("text", "") for c in nbformat.read(notebook, as_version=4).cells
+                   if c.cell_type == "code" and "distlab.check(\"Q" not in c.source
+                   and not c.source.startswith("# NBVAL_IGNORE_OUTPUT") for o in c.get("outputs", []))

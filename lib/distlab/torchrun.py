@@ -249,6 +249,44 @@ def grid_arguments(layout, global_batch: int, cfg=None, steps: int = 100) -> dic
     return kwargs
 
 
+def grid_config(model: ModelShape) -> GPTConfig:
+    """The 3D worker's GPT for a planner model shape (a Llama-shaped preset: its sizes, untied head)."""
+    return GPTConfig(vocab_size=model.vocab_size, seq_len=model.seq_len, n_layer=model.n_layer, n_head=model.n_head,
+                     d_model=model.d_model, tied_embeddings=False)
+
+
+def launch_plan(model: ModelShape, cfg: GPTConfig, gpus: int, batch: int, gpus_per_node: int = 8,
+                tp: int | None = None, pp: int | None = None, steps: int = 100,
+                endpoint: str = "$HEAD_NODE:29500") -> str | None:
+    """The planner's best layout that the 3D worker can run, and the torchrun and SLURM lines that run it.
+
+    The worker runs DP × PP × TP with 1F1B (v = 1), DDP or ZeRO-1 over DP and no recomputation, so only such
+    layouts are considered. ``None`` (after saying why on stderr) when none fits; ``distlab plan`` and lab 11's
+    planner widget print the same text.
+    """
+    cluster = dataclasses.replace(h100_cluster(gpus), gpus_per_node=gpus_per_node)
+    choices = dict(cp=(1,), zero=(0, 1), v=(1,), checkpointing=(False,))
+    if tp:
+        choices["tp"] = (tp,)
+    result = plan(model, cluster, batch, **choices)
+    feasible = [e for e in result.feasible if pp is None or e.layout.pp == pp]
+    if not feasible:
+        print(f"error: no feasible layout{f' with PP {pp}' if pp else ''} that the 3D worker runs (DP x PP x TP, "
+              f"ZeRO 0/1, no recomputation); the planner's table:\n" + result.table(), file=sys.stderr)
+        return None
+    best = feasible[0]
+    nodes = gpus // gpus_per_node
+    kwargs = grid_arguments(best.layout, batch, cfg, steps)
+    line = torchrun_command(GRID_TARGET, kwargs, nodes, gpus_per_node, rdzv_endpoint=endpoint if nodes > 1 else None)
+    return "\n".join([
+        f"{model.name} on {cluster.name} ({nodes} nodes of {gpus_per_node}), {batch} sequences per step",
+        f"layout: {best.summary()}",
+        "torchrun, the same line on every node:",
+        "  " + " ".join(part if "$" in part else shlex.quote(part) for part in line),
+        "SLURM (sbatch this):",
+        slurm_script(GRID_TARGET, kwargs, nodes=nodes, gpus_per_node=gpus_per_node).rstrip("\n")])
+
+
 def plan_main(argv: list[str] | None = None) -> int:
     """``distlab plan``: the planner's best 3D layout, and the torchrun and SLURM lines that run it."""
     p = argparse.ArgumentParser(prog="distlab plan", description=plan_main.__doc__)
@@ -270,32 +308,14 @@ def plan_main(argv: list[str] | None = None) -> int:
         model = ModelShape.from_config(cfg)
     else:
         model = ModelShape.from_preset(args.model)
-        cfg = GPTConfig(vocab_size=model.vocab_size, seq_len=model.seq_len, n_layer=model.n_layer,
-                        n_head=model.n_head, d_model=model.d_model, tied_embeddings=False)
+        cfg = grid_config(model)
     if args.gpus % args.gpus_per_node:
         p.error(f"--gpus {args.gpus} is not a whole number of nodes of {args.gpus_per_node}")
-    cluster = dataclasses.replace(h100_cluster(args.gpus), gpus_per_node=args.gpus_per_node)
-    # What the 3D worker runs: DP × PP × TP, 1F1B (v = 1), DDP or ZeRO-1 over DP, no recomputation.
-    choices = dict(cp=(1,), zero=(0, 1), v=(1,), checkpointing=(False,))
-    if args.tp:
-        choices["tp"] = (args.tp,)
-    result = plan(model, cluster, args.batch, **choices)
-    feasible = [e for e in result.feasible if args.pp is None or e.layout.pp == args.pp]
-    if not feasible:
-        print(f"error: no feasible layout{f' with PP {args.pp}' if args.pp else ''}; the planner's table:\n"
-              + result.table(), file=sys.stderr)
+    lines = launch_plan(model, cfg, args.gpus, args.batch, gpus_per_node=args.gpus_per_node, tp=args.tp, pp=args.pp,
+                        steps=args.steps, endpoint=args.endpoint)
+    if lines is None:
         return BAD_ARGUMENTS
-    best = feasible[0]
-    nodes = args.gpus // args.gpus_per_node
-    kwargs = grid_arguments(best.layout, args.batch, cfg, args.steps)
-    print(f"{model.name} on {cluster.name} ({nodes} nodes of {args.gpus_per_node}), {args.batch} sequences per step")
-    print(f"layout: {best.summary()}")
-    print("torchrun, the same line on every node:")
-    line = torchrun_command(GRID_TARGET, kwargs, nodes, args.gpus_per_node,
-                            rdzv_endpoint=args.endpoint if nodes > 1 else None)
-    print("  " + " ".join(part if "$" in part else shlex.quote(part) for part in line))
-    print("SLURM (sbatch this):")
-    print(slurm_script(GRID_TARGET, kwargs, nodes=nodes, gpus_per_node=args.gpus_per_node), end="")
+    print(lines)
     return 0
 
 

@@ -12,6 +12,7 @@ fails; the report records the seed.
 import json
 import math
 import random
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -23,9 +24,10 @@ from distlab.grading import check, quiz
 from distlab.grading.classroom import class_report, grade_notebooks
 from distlab.grading.harness import GRADE_SEED_VARIABLE, lab_seed
 from distlab.grading.lab01 import _world_sizes, check_bytes_per_param
-from distlab.grading.registry import all_exercises, exercises_of_lab
+from distlab.grading.registry import all_exercises
 from distlab.grading.release import release
 
+ROOT = Path(__file__).resolve().parents[2]
 SECRET = b"a course secret of the tests, 64 characters would be better here"
 
 # Each varied question's answer, written out from its numbers (closed forms beside the library's formulas).
@@ -50,8 +52,33 @@ ANSWERS = {
     "Q6.2": lambda percent, p: -(-(p - 1) * (100 - percent) // percent),
     "Q6.3": lambda p, m, v: (p - 1) / (v * m + p - 1),
     "Q6.4": lambda rank, p: p - rank,
+    "Q6.5": lambda seq, micro_batch: micro_batch * seq * 8192 * 2 / 2**20,
+    "Q9.3": lambda scale: scale / 2,  # GradScaler's backoff halves the scale
+    "Q9.5": lambda rows, cols: rows * cols / 128,
+    "Q9.7": lambda percent: 1 / (1 - percent / 100 + percent / 100 * 989 / 1979),  # H100 bf16 and fp8 peaks
     "Q11.1": lambda pp, m: (pp - 1) / (m + pp - 1),
     "Q11.2": lambda preset, gpus: 2 * (gpus - 1) / gpus * memory.PRESETS[preset].n_params * 2 / 450e9 * 1e3,
+    # 6·N (N without the embedding lookup) + 12·n_layer·d_model·seq_len FLOPs per token, at 40% of 989 TFLOP/s
+    "Q11.3": lambda trillions, gpus: (6 * (memory.PRESETS["405B"].n_params - 128256 * 16384) + 12 * 126 * 16384 * 8192)
+    * trillions * 1e12 / (gpus * 989e12 * 0.4) / 86400,
+    "Q11.4": lambda tflops: tflops / 989,
+    "Q11.7": lambda grid: grid.dp * grid.tp,  # one pipeline per (DP, TP) pair
+    "Q11.8": lambda m: m,  # ZeRO-2 reduce-scatters each micro-batch's gradients
+    "Q5.2": lambda tokens: tokens * 8192 * 2 / 2**20,
+    "Q5.4": lambda tp: (10 + 24 / tp) / 34,  # Korthikanti's 34 values per s·b·h, attention scores not kept
+    "Q5.5": lambda mib, gpus, gbs: 2 * (gpus - 1) / gpus * mib * 2**20 / (gbs * 1e9) * 1e3,
+    "Q7.1": lambda n: n - 1,
+    "Q7.2": lambda n: max(r + 1 / 2 for r in range(n)) / (sum(r + 1 / 2 for r in range(n)) / n),
+    "Q7.3": lambda n: n / 2,
+    "Q7.4": lambda heads, kv_heads: max(d for d in range(1, kv_heads + 1) if heads % d == 0 and kv_heads % d == 0),
+    "Q7.5": lambda heads, kv_heads: 2 * 989e12 * kv_heads / (2 * 450e9 * heads),
+    "Q7.6": lambda thousands, cp: 80 * 2 * (thousands * 1024 // cp) * 8192 / 2**30,
+    "Q8.6": lambda ep: 256 / ep,
+    "Q10.1": lambda j, bands, rows: 1 - (1 - j**rows) ** bands,
+    "Q10.2": lambda k, j: math.sqrt(j * (1 - j) / k),
+    "Q10.5": lambda trillions: trillions * 2,
+    "Q12.2": lambda stall: math.sqrt(2 * stall * 54 * 24 / 419 * 3600) / 60,
+    "Q12.7": lambda saved, loaded: saved / loaded,
 }
 VARIED = {i: e for i, e in all_exercises().items() if e.variation is not None}
 
@@ -63,13 +90,30 @@ def _entry(question_id: str, given: float, status: str = "passed") -> dict:
             "detail": "correct", "label": exercise.label, "given": given}
 
 
-def test_every_numeric_question_of_labs_01_03_04_varies_or_says_why_not():
-    """Labs 02, 06 and 11 vary too, where a question's title carries its numbers."""
-    for lab in (1, 3, 4):
-        for exercise in exercises_of_lab(lab).values():
-            if exercise.is_quiz and isinstance(exercise.answer, float | int):
-                assert (exercise.variation is None) == bool(exercise.fixed), exercise.id
+def test_every_numeric_question_varies_or_says_why_not():
+    """A registry walk over every lab: a numeric question either varies per student or says in ``fixed`` why it
+    cannot, never both and never neither."""
+    unmarked = set()
+    for exercise in all_exercises().values():
+        if exercise.is_quiz and not isinstance(exercise.answer, str):
+            assert not (exercise.variation is not None and exercise.fixed), exercise.id
+            if exercise.variation is None and not exercise.fixed:
+                unmarked.add(exercise.id)
+    assert not unmarked, sorted(unmarked)
     assert set(VARIED) == set(ANSWERS)
+
+
+def test_self_study_asks_each_varied_question_as_its_solution_notebook_printed_it():
+    """``given`` is the chapter's numbers: each varied question's title with them is the one the executed solution
+    notebook's check printed, so varying a question changed nothing a self-study reader sees."""
+    printed = {}
+    for path in sorted(ROOT.glob("solutions/[0-9][0-9]_*.ipynb")):
+        cells = nbformat.read(path, as_version=4).cells
+        printed[int(path.name[:2])] = "".join(o.get("text", "") for c in cells if c.cell_type == "code"
+                                              for o in c.outputs)
+    for question_id, exercise in VARIED.items():
+        assert exercise.title == exercise.variation.title(exercise.variation.given)
+        assert f"Question {question_id} {exercise.title}: " in printed[exercise.lab], question_id
 
 
 @pytest.mark.parametrize("question_id", sorted(ANSWERS))

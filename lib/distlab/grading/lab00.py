@@ -162,16 +162,21 @@ def check_mean_across_ranks(student_fn) -> str:
     return f"matches all_reduce / world_size on {cases} random tensors, 2-4 ranks"
 
 
+# Why lab 00's numeric questions ask every student the chapter's numbers.
+_WORKED_EXAMPLE = ("lab 00 is the worked example the instructor guide grades with a course secret: its solution "
+                   "must pass under any secret")
+
 QUIZ = [
     quiz.number("Q0.1", "LOCAL_RANK of global rank 11 on nodes of 8 GPUs", answer=3, rel_tol=0,
-                hint="section 3: ranks fill one node after the other; the local rank is the index on its node"),
+                hint="section 3: ranks fill one node after the other; the local rank is the index on its node",
+                fixed=_WORKED_EXAMPLE),
     quiz.number("Q0.2", "all_reduce(rank + 1) on 8 ranks", answer=36, rel_tol=0,
-                hint="section 2: every rank ends with the sum of every rank's value"),
+                hint="section 2: every rank ends with the sum of every rank's value", fixed=_WORKED_EXAMPLE),
     quiz.choice("Q0.3", "the backend for tensors on GPUs", answer="b", options="abc",
                 hint="section 1: which backend moves CUDA tensors over NVLink and InfiniBand?"),
     quiz.number("Q0.4", "tensor bytes each rank sends in a ring all-reduce of 1000 float32 on 4 ranks", answer=6000,
                 rel_tol=0,
-                hint="section 2: the comm table, 2(N-1)/N * M with M the message's bytes"),
+                hint="section 2: the comm table, 2(N-1)/N * M with M the message's bytes", fixed=_WORKED_EXAMPLE),
     quiz.choice("Q0.5", "what the other ranks do when one skips a collective", answer="b", options="abc",
                 hint="the chapter, 'The model': a collective completes only when every rank of the group calls it"),
 ]

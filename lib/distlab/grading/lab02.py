@@ -246,7 +246,8 @@ def check_tree_all_reduce(student_fn) -> str:
 
 QUIZ = [
     quiz.number("Q2.1", "bytes per rank of a ring all-reduce (GB)", answer=1.75, rel_tol=0.01,
-                hint="section 2: each rank sends 2(N-1)/N * M"),
+                hint="section 2: each rank sends 2(N-1)/N * M",
+                fixed="its title names none of its numbers (M and N are the chapter's): no other ones can be asked"),
     quiz.number("Q2.2", "all-reduce time of {billions}B bf16 gradients on {gpus} GPUs (ms)", rel_tol=0.03,
                 given=dict(billions=7, gpus=8), vary=dict(billions=(1, 3, 13, 34, 70), gpus=(4, 16, 64)),
                 solve=lambda billions, gpus: ring_all_reduce_time(billions * 1e9 * 2, gpus, 0.0, 450e9) * 1e3,

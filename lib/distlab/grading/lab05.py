@@ -26,9 +26,11 @@ import torch.distributed as dist
 import torch.nn as nn
 import torch.nn.functional as F
 
+from distlab.collectives import ring_all_reduce_time
 from distlab.grading import CheckFailed, quiz
 from distlab.grading.harness import assert_close, first_line, is_close, lab_seed, run_on_ranks, with_reference
 from distlab.grading.registry import Exercise
+from distlab.memory import MiB
 from distlab.model import Block, GPTConfig
 from distlab.runtime.errors import RankFailed
 from distlab.tensor_parallel.communication import (
@@ -43,6 +45,7 @@ from distlab.tensor_parallel.communication import (
 )
 from distlab.tensor_parallel.gpt import shard_of
 from distlab.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear, qkv_rows, shard_range
+from distlab.tensor_parallel.theory import activation_bytes_per_layer_tp, activation_message_bytes
 
 __all__ = ["EXERCISES", "Case", "check_conjugate_functions", "check_parallel_linears", "check_parallel_mlp",
            "check_parallel_attention", "check_vocab_parallel", "check_sequence_parallel"]
@@ -730,19 +733,26 @@ EXERCISES = [
                          "distlab.tensor_parallel.communication.gather_sequence",
                          "distlab.tensor_parallel.communication.reduce_scatter_sequence")),
     quiz.number("Q5.1", "all-reduces per block per training step (TP, no SP)", answer=4,
-                hint="see the lab's section 9, Every collective counted (the chapter's section 5)"),
-    quiz.number("Q5.2", "MiB in one TP all-reduce of a 70B layer (4096 tokens, hidden 8192, bf16)", answer=64,
+                hint="see the lab's section 9, Every collective counted (the chapter's section 5)",
+                fixed="a count of the block's collectives: the question has no number to change"),
+    quiz.number("Q5.2", "MiB in one TP all-reduce of a 70B layer ({tokens} tokens, hidden 8192, bf16)", rel_tol=0.01,
+                given=dict(tokens=4096), vary=dict(tokens=(1024, 2048, 8192, 16384, 32768)),
+                solve=lambda tokens: activation_message_bytes(1, tokens, 8192, bytes_per_value=2) / MiB,
                 hint="see the lab's section 13, Why TP stays inside an NVLink domain: what one TP all-reduce "
                      "carries (the chapter's section 8)"),
     quiz.choice("Q5.3", "what sequence parallelism puts in place of each TP all-reduce", answer="b", options="abcd",
                 hint="look at the collectives counted with and without SP (sections 7 and 9)"),
-    quiz.number("Q5.4", "activation bytes per rank at TP=8 without SP, as a fraction of TP=1", answer=13 / 34,
-                rel_tol=0.02, hint="see the lab's section 10, Activation memory per rank: which of a layer's "
-                                   "activations TP splits and which stay whole (the chapter's section 7)"),
-    quiz.number("Q5.5", "milliseconds for a 64 MiB ring all-reduce on 8 GPUs at 50 GB/s",
-                answer=2 * 7 / 8 * 2**26 / 50e9 * 1e3,
-                rel_tol=0.03, hint="see the lab's section 13 and lab 02's ring all-reduce: the bytes a ring sends "
-                                   "per GPU, over the link (the chapter's section 8)"),
+    quiz.number("Q5.4", "activation bytes per rank at TP={tp} without SP, as a fraction of TP=1", rel_tol=0.02,
+                given=dict(tp=8), vary=dict(tp=(2, 4, 16, 32, 64)),
+                solve=lambda tp: activation_bytes_per_layer_tp(4096, 1, 8192, 64, tp, flash_attention=True)
+                / activation_bytes_per_layer_tp(4096, 1, 8192, 64, 1, flash_attention=True),
+                hint="see the lab's section 10, Activation memory per rank: which of a layer's "
+                     "activations TP splits and which stay whole (the chapter's section 7)"),
+    quiz.number("Q5.5", "milliseconds for a {mib} MiB ring all-reduce on {gpus} GPUs at {gbs} GB/s", rel_tol=0.03,
+                given=dict(mib=64, gpus=8, gbs=50), vary=dict(mib=(16, 32, 128, 256), gpus=(2, 4, 16), gbs=(25, 100)),
+                solve=lambda mib, gpus, gbs: ring_all_reduce_time(mib * MiB, gpus, 0.0, gbs * 1e9) * 1e3,
+                hint="see the lab's section 13 and lab 02's ring all-reduce: the bytes a ring sends "
+                     "per GPU, over the link (the chapter's section 8)"),
     quiz.choice("Q5.6", "why the number of attention heads must be divisible by the TP degree", answer="a",
                 options="abcd", hint="what does a rank need to compute softmax(q·kᵀ)·v for one head? (section 5, "
                                      "attention: split the heads)"),

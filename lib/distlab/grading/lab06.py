@@ -40,6 +40,7 @@ from distlab.pipeline_parallel import (
     stage_costs,
     validate,
 )
+from distlab.tensor_parallel.theory import activation_message_bytes
 
 
 def _seed() -> int:
@@ -422,7 +423,10 @@ EXERCISES = [
                 solve=lambda rank, p: min(interleaved_warmup(p, rank, 1) + 1, 32),
                 hint="see 'Memory: GPipe against 1F1B' and the 1F1B warm-up in Exercise 6.2"),
     quiz.number("Q6.5", "MiB sent forward per micro-batch between two stages of a 70B model (d_model 8192, "
-                "seq 4096, micro-batch 1, bf16)", 64, abs_tol=0.01,
+                "seq {seq}, micro-batch {micro_batch}, bf16)", abs_tol=0.01,
+                given=dict(seq=4096, micro_batch=1), vary=dict(seq=(1024, 2048, 8192, 16384), micro_batch=(2, 4, 8)),
+                solve=lambda seq, micro_batch: activation_message_bytes(micro_batch, seq, 8192, bytes_per_value=2)
+                / 2**20,
                 hint="see 'Bytes between stages': what one micro-batch's activation holds"),
     quiz.choice("Q6.6", "why pipeline parallelism is the parallelism that crosses nodes", "b", "abcd",
                 hint="see 'Bytes between stages'"),

@@ -619,19 +619,29 @@ def check_ulysses(ulysses_attention) -> str:
 # ---------------------------------------------------------------- quiz
 
 
-def _q_bytes_ratio() -> float:
-    n, shape = 8, (1, 32, 8192, 128)
-    return ring_bytes(*shape, n, bytes_per_value=2) / ulysses_bytes(*shape, n, bytes_per_value=2)
+_Q_SHAPE = (1, 32, 8192, 128)  # batch, heads, tokens, head size of the byte questions: their ratios do not depend on it
 
 
-def _q_checkpointed_gib() -> float:
+def _q_blocks_sent(n: int) -> float:
+    """K/V blocks one rank sends in ring forward on ``n`` ranks: its bytes over one shard's K and V."""
+    batch, heads, seq_len, head_dim = _Q_SHAPE
+    return ring_bytes(*_Q_SHAPE, n, bytes_per_value=2) / (2 * batch * heads * (seq_len // n) * head_dim * 2)
+
+
+def _q_bytes_ratio(n: int) -> float:
+    return ring_bytes(*_Q_SHAPE, n, bytes_per_value=2) / ulysses_bytes(*_Q_SHAPE, n, bytes_per_value=2)
+
+
+def _q_checkpointed_gib(thousands: int, cp: int) -> float:
+    """``thousands``k tokens (1024 each, as "128k" means 131072) of the 70B preset over ``cp`` ranks."""
     model = PRESETS["70B"]
-    per_layer = activation_bytes_per_layer(131072 // 32, 1, model.d_model, model.n_head, checkpointing=True)
+    per_layer = activation_bytes_per_layer(thousands * 1024 // cp, 1, model.d_model, model.n_head, checkpointing=True)
     return model.n_layer * per_layer / GiB
 
 
-def _q_hidden_tokens() -> float:
-    return hidden_transfer_tokens(PEAK_FLOPS["H100 SXM bf16"], 450e9, bytes_per_value=2, heads=32, kv_heads=8)
+def _q_hidden_tokens(heads: int, kv_heads: int) -> float:
+    return hidden_transfer_tokens(PEAK_FLOPS["H100 SXM bf16"], 450e9, bytes_per_value=2, heads=heads,
+                                  kv_heads=kv_heads)
 
 
 EXERCISES = [
@@ -649,21 +659,29 @@ EXERCISES = [
     Exercise("7.5", "ring attention backward: dK/dV around the ring", 4, check_ring_backward),
     Exercise("7.6", "DeepSpeed-Ulysses all-to-all attention", 3, check_ulysses,
              references=("distlab.context_parallel.ulysses.ulysses_attention",)),
-    quiz.number("Q7.1", "K/V blocks a rank sends in ring forward, N=8", 7, abs_tol=0,
+    quiz.number("Q7.1", "K/V blocks a rank sends in ring forward, N={n}", abs_tol=0, given=dict(n=8),
+                vary=dict(n=(2, 4, 16, 32, 64)), solve=_q_blocks_sent,
                 hint="count the steps at which a block leaves the rank (section 'Exercise 7.3 — ring attention')"),
-    quiz.number("Q7.2", "contiguous causal ring, N=8: slowest rank's work / mean", 7.5 / 4, rel_tol=0.01,
+    quiz.number("Q7.2", "contiguous causal ring, N={n}: slowest rank's work / mean", rel_tol=0.01, given=dict(n=8),
+                vary=dict(n=(2, 4, 16, 32, 64)),
+                solve=lambda n: (n - 1 / 2) / (n / 2),  # rank r: r full blocks and half the diagonal one
                 hint="count the blocks each rank computes (section 'Causal masks: skipped blocks and unequal work')"),
-    quiz.number("Q7.3", "ring forward bytes / Ulysses forward bytes per rank, N=8", _q_bytes_ratio(), rel_tol=0.01,
-                hint="section 'Bytes: ring against Ulysses'"),
-    quiz.number("Q7.4", "largest Ulysses degree for 64 query heads, 8 K/V heads", 8, abs_tol=0,
+    quiz.number("Q7.3", "ring forward bytes / Ulysses forward bytes per rank, N={n}", rel_tol=0.01, given=dict(n=8),
+                vary=dict(n=(2, 4, 16, 32, 64)), solve=_q_bytes_ratio, hint="section 'Bytes: ring against Ulysses'"),
+    quiz.number("Q7.4", "largest Ulysses degree for {heads} query heads, {kv_heads} K/V heads", abs_tol=0,
+                given=dict(heads=64, kv_heads=8), vary=dict(heads=(32, 48, 96, 128), kv_heads=(2, 4, 16)),
+                solve=lambda heads, kv_heads: math.gcd(heads, kv_heads),  # whole query and K/V heads per rank
                 hint="section 'Exercise 7.6 — DeepSpeed-Ulysses' and 'When each wins'"),
-    quiz.number("Q7.5", "tokens per rank to hide a ring step over 450 GB/s NVLink on an H100, 32 query heads, "
-                "8 K/V heads", _q_hidden_tokens(), rel_tol=0.02,
+    quiz.number("Q7.5", "tokens per rank to hide a ring step over 450 GB/s NVLink on an H100, {heads} query heads, "
+                "{kv_heads} K/V heads", rel_tol=0.02, given=dict(heads=32, kv_heads=8),
+                vary=dict(heads=(16, 64, 128), kv_heads=(2, 4, 16)), solve=_q_hidden_tokens,
                 hint="compare one step's FLOPs with its bytes, and count which heads each belongs to (section "
                      "'When each wins')"),
-    quiz.number("Q7.6", "GiB of checkpointed layer inputs per GPU, 70B, 128k tokens, CP=32", _q_checkpointed_gib(),
-                rel_tol=0.02, hint="what full checkpointing keeps per layer, for one rank's tokens (section "
-                                   "'At scale: 128k tokens of a 70B model')"),
+    quiz.number("Q7.6", "GiB of checkpointed layer inputs per GPU, 70B, {thousands}k tokens, CP={cp}", rel_tol=0.02,
+                given=dict(thousands=128, cp=32), vary=dict(thousands=(32, 64, 256, 512), cp=(8, 16, 64)),
+                solve=_q_checkpointed_gib,
+                hint="what full checkpointing keeps per layer, for one rank's tokens (section "
+                     "'At scale: 128k tokens of a 70B model')"),
     quiz.choice("Q7.7", "ring attention or Ulysses", "c", "abc",
                 hint="section 'When each wins'"),
 ]

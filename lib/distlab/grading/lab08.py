@@ -587,6 +587,9 @@ def check_expert_parallel(ep_fn) -> str:
 
 # ---------------------------------------------------------------- quiz
 
+# Why a question whose numbers could change keeps them: a student is shown their numbers through the title.
+_NUMBERS_NOT_IN_TITLE = "its title names none of its numbers (the chapter's text does), so it could not show a " \
+    "student other ones"
 _DSV3_DISPATCH_MB = all_to_all_bytes(4096, DEEPSEEK_V3.k, DEEPSEEK_V3.d_model, 64)["payload_per_all_to_all"] / 1e6
 
 EXERCISES = [
@@ -603,18 +606,22 @@ EXERCISES = [
     Exercise("8.6", "expert parallelism with all-to-all", 4, check_expert_parallel,
              references=("distlab.moe.layer.expert_parallel_forward",)),
     quiz.number("Q8.1", "capacity of one expert", answer=expert_capacity(4096, 64, 2, 1.25), rel_tol=0, abs_tol=0.01,
-                hint="see 'Capacity and dropped tokens' (the chapter's section 3)"),
+                hint="see 'Capacity and dropped tokens' (the chapter's section 3)",
+                fixed=_NUMBERS_NOT_IN_TITLE),
     quiz.number("Q8.2", "Switch loss of a collapsed router", answer=16.0, rel_tol=0, abs_tol=0.01,
                 hint="see 'Balancing the load' (the chapter's section 4): what f and P are when one expert gets "
-                     "everything"),
+                     "everything",
+                fixed=_NUMBERS_NOT_IN_TITLE),
     quiz.choice("Q8.3", "what the bias of an overloaded expert does", answer="b", options="abcd",
                 hint="see 'Auxiliary-loss-free balancing' (the chapter's section 5): the update rule for b_i"),
     quiz.number("Q8.4", "DeepSeek-V3 dispatch MB per GPU", answer=_DSV3_DISPATCH_MB, rel_tol=0.02,
                 hint="see 'All-to-all bytes per layer, counted' and 'DeepSeek-V3 at scale' (the chapter's sections 8 "
-                     "and 9)"),
+                     "and 9)",
+                fixed=_NUMBERS_NOT_IN_TITLE),
     quiz.choice("Q8.5", "why MoE routing is expensive at scale", answer="c", options="abcd",
                 hint="see 'All-to-all bytes per layer, counted' and 'DeepSeek-V3 at scale' (the chapter's sections 8 "
                      "and 9)"),
-    quiz.number("Q8.6", "experts per GPU, DeepSeek-V3 at EP = 64", answer=4.0, rel_tol=0, abs_tol=0.01,
+    quiz.number("Q8.6", "experts per GPU, DeepSeek-V3 at EP = {ep}", rel_tol=0, abs_tol=0.01, given=dict(ep=64),
+                vary=dict(ep=(8, 16, 32, 128, 256)), solve=lambda ep: DEEPSEEK_V3.routed_experts / ep,
                 hint="see 'Edge cases that are errors' and 'DeepSeek-V3 at scale' (the chapter's section 9)"),
 ]

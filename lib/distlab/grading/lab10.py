@@ -14,6 +14,8 @@ from pathlib import Path
 
 import numpy as np
 
+from distlab.data.dedup import candidate_probability
+from distlab.data.shards import SHARD_DTYPE
 from distlab.grading import CheckFailed, quiz
 from distlab.grading.registry import Exercise
 
@@ -247,20 +249,26 @@ EXERCISES = [
              references=("distlab.data.line_dedup.remove_repeated_lines",)),
     Exercise("10.5", "Token-shard writer", 2, check_token_writer,
              references=("distlab.data.shards.tokenize_to_bin",)),
-    quiz.number("Q10.1", "P(candidate) for J = 0.8 with 16 bands x 8 rows", answer=1 - (1 - 0.8 ** 8) ** 16,
-                rel_tol=0.01, hint="section 5, LSH: when does one band agree, and when does at least one of them?"),
-    quiz.number("Q10.2", "standard error of a 128-permutation MinHash estimate at J = 0.8",
-                answer=(0.8 * 0.2 / 128) ** 0.5, rel_tol=0.03,
+    quiz.number("Q10.1", "P(candidate) for J = {j} with {bands} bands x {rows} rows", rel_tol=0.01,
+                given=dict(j=0.8, bands=16, rows=8),
+                vary=dict(j=(0.5, 0.6, 0.7, 0.9), bands=(8, 20, 32), rows=(4, 5, 10)),
+                solve=lambda j, bands, rows: float(candidate_probability(j, bands, rows)),
+                hint="section 5, LSH: when does one band agree, and when does at least one of them?"),
+    quiz.number("Q10.2", "standard error of a {k}-permutation MinHash estimate at J = {j}", rel_tol=0.03,
+                given=dict(k=128, j=0.8), vary=dict(k=(32, 64, 256, 512), j=(0.5, 0.6, 0.9)),
+                solve=lambda k, j: (j * (1 - j) / k) ** 0.5,  # a mean of k independent 0/1 draws, each 1 w.p. J
                 hint="section 5, MinHash: the estimate is a fraction of k independent permutations"),
     quiz.choice("Q10.3", "which Gopher rule rejects 120 words with 14 hashtags", answer="b", options="abcd",
                 hint="section 3: the quality rules' table; check each rule's ratio for this page"),
     quiz.choice("Q10.4", "which of these is a payment card number", answer="b", options="abcd",
                 hint="section 4: Luhn, an issuer prefix and a card's grouping must all hold"),
-    quiz.number("Q10.5", "terabytes of uint16 shards for 15T tokens", answer=30, rel_tol=0.02,
+    quiz.number("Q10.5", "terabytes of uint16 shards for {trillions}T tokens", rel_tol=0.02, given=dict(trillions=15),
+                vary=dict(trillions=(1, 2, 5, 9, 36)), solve=lambda trillions: trillions * SHARD_DTYPE.itemsize,
                 hint="section 7: how many bytes one token id takes in a shard"),
     quiz.choice("Q10.6", "DSIR or DoReMi: which learns domain weights with a proxy model", answer="b",
                 options="ab", hint="section 10: which of the two needs a training run, and which only counts n-grams?"),
     quiz.number("Q10.7", "Llama 3 8B's 15T tokens as a multiple of its Chinchilla-optimal budget",
                 answer=15e12 / (20 * 8e9), rel_tol=0.03,
-                hint="section 7, '15T tokens for an 8B model': Chinchilla's tokens per parameter"),
+                hint="section 7, '15T tokens for an 8B model': Chinchilla's tokens per parameter",
+                fixed="a published fact: Llama 3 8B was trained on 15T tokens"),
 ]

@@ -256,8 +256,6 @@ def check_predicted_bytes(predicted_bytes) -> str:
 
 # ---------------------------------------------------------------- quiz
 
-_405B_TFLOPS = 430e12  # the top of Llama 3 405B's reported 380–430 TFLOP/s per GPU (Dubey et al. 2024, Table 4)
-
 QUIZ = [
     quiz.number("Q11.1", "pipeline bubble fraction for PP = {pp} and m = {m} micro-batches (1F1B)", rel_tol=0.01,
                 given=dict(pp=8, m=32), vary=dict(pp=(4, 16), m=(8, 16, 64)),
@@ -268,22 +266,31 @@ QUIZ = [
                 vary=dict(preset=("7B", "405B"), gpus=(4, 16, 64)),
                 solve=lambda preset, gpus: gradient_all_reduce_seconds(preset, gpus, 450e9) * 1e3,
                 hint="'The seeds' arithmetic, computed', and lab 02's ring all-reduce: what each GPU sends"),
-    quiz.number("Q11.3", "days to train 405B on 15.6T tokens on 16,384 H100s (989 TFLOP/s bf16) at 40% MFU",
-                answer=run_cost("405B", 15.6e12, h100_cluster(16384), 0.4, 2048 * 8192)["days"], rel_tol=0.05,
+    quiz.number("Q11.3", "days to train 405B on {trillions}T tokens on {gpus:,} H100s (989 TFLOP/s bf16) at 40% MFU",
+                given=dict(trillions=15.6, gpus=16384),
+                vary=dict(trillions=(2, 5, 10, 30), gpus=(2048, 4096, 8192, 32768)),
+                solve=lambda trillions, gpus: run_cost("405B", trillions * 1e12, h100_cluster(gpus), 0.4,
+                                                       2048 * 8192)["days"], rel_tol=0.05,
                 hint="'The seeds' arithmetic, computed', and 'MFU: what the model's math gets of the machine'"),
-    quiz.number("Q11.4", "MFU of Llama 3 405B at 430 TFLOP/s per H100 (989 TFLOP/s peak)",
-                answer=_405B_TFLOPS / 989e12, rel_tol=0.02,
+    # 430: the top of Llama 3 405B's reported 380–430 TFLOP/s per GPU (Dubey et al. 2024, Table 4)
+    quiz.number("Q11.4", "MFU of Llama 3 405B at {tflops} TFLOP/s per H100 (989 TFLOP/s peak)", rel_tol=0.02,
+                given=dict(tflops=430), vary=dict(tflops=(300, 350, 380, 400, 500)),
+                solve=lambda tflops: tflops * 1e12 / h100_cluster(1).peak_flops,
                 hint="'MFU: what the model's math gets of the machine'"),
     quiz.choice("Q11.5", "why tensor parallelism stays inside a node", answer="b", options="abcd",
                 hint="'Which axis goes where': the TP seconds on NVLink and on InfiniBand"),
     quiz.choice("Q11.6", "MFU is 18%: which is not one of the top suspects", answer="d", options="abcde",
                 hint="'MFU at 18%: the top five suspects': each suspect is a term of the step time"),
-    quiz.number("Q11.7", "pipelines (process groups along PP) in Llama 3's TP 8 × PP 16 × DP 128 on 16,384 GPUs",
-                answer=len(Grid(dp=128, pp=16, tp=8).groups("pp")), rel_tol=0,
+    quiz.number("Q11.7", "pipelines (process groups along PP) in Llama 3's TP {grid.tp} × PP {grid.pp} × DP {grid.dp} "
+                "on {grid.world:,} GPUs", rel_tol=0, given=dict(grid=Grid(dp=128, pp=16, tp=8)),
+                # Llama 3's model split (TP 8 × PP 16) at other data-parallel widths: DP 64 is its 8,192-GPU stage
+                vary=dict(grid=tuple(Grid(dp=dp, pp=16, tp=8) for dp in (16, 32, 64, 256))),
+                solve=lambda grid: len(grid.groups("pp")),
                 hint="'A grid of process groups': which ranks a PP group holds"),
-    quiz.number("Q11.8", "gradient reduce-scatters per step of ZeRO-2 under PP 16 with m = 16 micro-batches "
-                         "(gradients not kept over the micro-batches)",
-                answer=dp_messages(Layout(dp=128, tp=8, pp=16, zero=2, m=16))[0], rel_tol=0,
+    quiz.number("Q11.8", "gradient reduce-scatters per step of ZeRO-2 under PP 16 with m = {m} micro-batches "
+                         "(gradients not kept over the micro-batches)", rel_tol=0,
+                given=dict(m=16), vary=dict(m=(4, 8, 24, 32, 64)),
+                solve=lambda m: dp_messages(Layout(dp=128, tp=8, pp=16, zero=2, m=m))[0],
                 hint="'The planner, term by term': ZeRO under a pipeline"),
 ]
 

@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-from distlab.fault_tolerance.cadence import job_mtbf_hours, young_interval
+from distlab.fault_tolerance.cadence import LLAMA3, job_mtbf_hours, young_interval
 from distlab.fault_tolerance.checkpoint import checkpoint_path, read_checkpoint
 from distlab.fault_tolerance.faults import Fault, flip_bit
 from distlab.fault_tolerance.guards import SpikeGuard, guarded_train
@@ -405,9 +405,11 @@ EXERCISES = [
                          "distlab.fault_tolerance.cadence.job_mtbf_hours")),
     quiz.number("Q12.1", "Llama 3's job MTBF in hours", answer=54 * 24 / 419, rel_tol=0.02,
                 hint="the section 'How often to checkpoint' (chapter §1) turns a failure count over a window into "
-                     "a job's MTBF; mind the unit the question asks for"),
-    quiz.number("Q12.2", "Young's interval in minutes for a 60 s stall at Llama 3's MTBF",
-                answer=young_interval(60, 54 * 24 / 419 * 3600) / 60, rel_tol=0.03,
+                     "a job's MTBF; mind the unit the question asks for",
+                fixed="a published fact: Llama 3's 419 interruptions in 54 days"),
+    quiz.number("Q12.2", "Young's interval in minutes for a {stall} s stall at Llama 3's MTBF", rel_tol=0.03,
+                given=dict(stall=60), vary=dict(stall=(10, 20, 30, 120, 300)),
+                solve=lambda stall: young_interval(stall, LLAMA3.job_mtbf_hours * 3600) / 60,
                 hint="Young's interval, derived in the section 'How often to checkpoint' (chapter §1); keep the stall "
                      "and the MTBF in one unit and answer in minutes"),
     quiz.choice("Q12.3", "what an async checkpoint stalls training for", answer="b", options="abcd",
@@ -419,8 +421,10 @@ EXERCISES = [
                 hint="how big is the change, and which comparisons are exact? (section 'Silent data corruption')"),
     quiz.choice("Q12.6", "the loss spikes at step 28k", answer="b", options="abcd",
                 hint="what happens if you replay the same batches? (section 'Loss spikes and NaNs')"),
-    quiz.number("Q12.7", "bytes of each rank's shard after loading a 4-rank FSDP checkpoint on 2 ranks, vs at 4",
-                answer=2.0, rel_tol=0.01, hint="what does each FSDP rank hold of every tensor, and what changes "
-                                               "when the world size does? (section 'Sharded checkpoints, another "
-                                               "world size', chapter §3)"),
+    quiz.number("Q12.7", "bytes of each rank's shard after loading a {saved}-rank FSDP checkpoint on {loaded} ranks, "
+                "vs at {saved}", rel_tol=0.01, given=dict(saved=4, loaded=2),
+                vary=dict(saved=(2, 16, 32), loaded=(8, 16)),
+                solve=lambda saved, loaded: saved / loaded,  # each rank holds 1/N of every tensor
+                hint="what does each FSDP rank hold of every tensor, and what changes when the world size does? "
+                     "(section 'Sharded checkpoints, another world size', chapter §3)"),
 ]

@@ -42,25 +42,9 @@ def step_spans(spans: Sequence[Span], step: int) -> list[Span]:
             if s.rank in markers and markers[s.rank].start <= s.start <= markers[s.rank].end]
 
 
-@dataclass(frozen=True)
-class Bubble:
-    per_rank: tuple[float, ...]  # idle share of each rank over the common window
-    window: float  # seconds from the first compute to the last, over all ranks
-
-    @property
-    def bottleneck(self) -> int:
-        """The busiest rank: the least idle over the common window."""
-        return min(range(len(self.per_rank)), key=self.per_rank.__getitem__)
-
-    @property
-    def fraction(self) -> float:
-        """The pipeline's bubble: the idle share of its busiest stage (fill and drain only)."""
-        return self.per_rank[self.bottleneck]
-
-    @property
-    def mean_idle(self) -> float:
-        """Idle share averaged over the ranks: the bubble plus the faster stages' wait for the slowest."""
-        return statistics.fmean(self.per_rank)
+# Each rank's idle share over one window common to all ranks; ``bottleneck``, ``fraction`` (the bubble) and
+# ``mean_idle`` (bubble plus imbalance). One class for spans and traces alike.
+Bubble = trace_format.TraceBubble
 
 
 def measured_bubble(spans: Sequence[Span], ranks: int | None = None) -> Bubble:
