@@ -47,7 +47,7 @@ from distlab.pipeline_parallel import (
     make_schedule,
     measured_bubble,
     pipeline_worker,
-    simulate,
+    replay,
     step_spans,
     steps_bubble,
     torch_pipelining_worker,
@@ -85,16 +85,9 @@ def cores() -> int:
 
 
 def replayed_bubble(spans, schedule: str, p: int, m: int, v: int, bottleneck: int) -> float:
-    """The bubble an ideal executor would have had in one step: that step's own mean forward and backward
-    durations per rank (an interleaved rank's stage costs 1/v of its whole-rank work) replayed through
-    :func:`simulate`, read off the bottleneck rank as the measurement is."""
-    forward, backward = [], []
-    for r in range(p):
-        mine = [s for s in spans if s.rank == r]
-        forward.append(v * statistics.fmean(s.duration for s in mine if s.label.startswith("F")))
-        backward.append(v * statistics.fmean(s.duration for s in mine if s.label.startswith("B")))
-    sim = simulate(make_schedule(schedule, p, m, v), m, v, forward_cost=forward, backward_cost=backward)
-    return measured_bubble(sim.spans, p).per_rank[bottleneck]
+    """The bubble an ideal executor would have had in one step at that step's own stage times
+    (:func:`~distlab.pipeline_parallel.replay`), read off the bottleneck rank as the measurement is."""
+    return measured_bubble(replay(spans, make_schedule(schedule, p, m, v), m, v).spans, p).per_rank[bottleneck]
 
 
 def measure_point(ranks, schedule: str, cfg: GPTConfig, p: int, m: int, v: int, rows: int, steps: int) -> dict:

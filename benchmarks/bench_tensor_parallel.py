@@ -100,9 +100,11 @@ def main(argv=None) -> int:
     top = max([t for t in degrees if faithful[t] and t > 1] or [max(degrees)])
     summary_line = (f"TP={top} ran {step_ms[1] / step_ms[top]:.2f}x as fast as TP=1 (ideal {top}x); collectives took "
                     f"{share[top]:.0%} of its step")
-    if load > results.BUSY_LOAD * max(cpus, max(degrees)) and not gpus:
-        summary_line += (f"; the machine was busy (load average {load:.1f} on {cpus} cores): other programs took "
-                         f"turns with the ranks, so these timings are not faithful")
+    # the summary's own degree judged by the one rule every saved result is judged by (the load while it ran)
+    faithful_top, why = results.faithfulness({"faithful": {str(top): True}, "load_average": load, "machine": {
+        "cpus": cpus, "ranks": max(degrees), "gpus": gpus}})
+    if not faithful_top:
+        summary_line += f"; not faithful: {why}: other programs took turns with the ranks"
     lines.append(summary_line)
     summary = "\n".join(lines)
     print()

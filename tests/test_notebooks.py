@@ -12,7 +12,7 @@ import nbformat
 import pytest
 
 import distlab.grading as grading
-from distlab.grading.cells import cells_to_skip
+from distlab.grading.cells import cells_to_skip, python_source
 from distlab.grading.classroom import grade_notebook, lab_number
 from distlab.grading.registry import Exercise, all_exercises, exercises_of_lab
 from distlab.notebooks import NotebookError, build_labs, exercise_ids, make_lab, strip_solutions
@@ -94,24 +94,24 @@ def test_committed_labs_are_in_sync_with_solutions():
     assert stale == [], f"run `make labs`: out of date: {stale}"
 
 
+def _cell_ast(source: str) -> ast.Module:
+    """A cell's syntax tree (an empty one for a cell that does not parse)."""
+    try:
+        return ast.parse(python_source(source))
+    except SyntaxError:
+        return ast.Module(body=[], type_ignores=[])
+
+
 def _loaded_names(source: str) -> set[str]:
     """Names a cell assigns a saved benchmark result to (``bench = results.load("ddp")``)."""
-    try:
-        tree = ast.parse("\n".join(line for line in source.splitlines() if not line.lstrip().startswith(("%", "!"))))
-    except SyntaxError:
-        return set()
-    return {target.id for node in ast.walk(tree) if isinstance(node, ast.Assign)
+    return {target.id for node in ast.walk(_cell_ast(source)) if isinstance(node, ast.Assign)
             and isinstance(node.value, ast.Call) and ast.unparse(node.value.func).endswith("results.load")
             for target in node.targets if isinstance(target, ast.Name)}
 
 
 def _reads(source: str, name: str) -> bool:
-    try:
-        tree = ast.parse("\n".join(line for line in source.splitlines() if not line.lstrip().startswith(("%", "!"))))
-    except SyntaxError:
-        return False
     return any(isinstance(node, ast.Name) and node.id == name and isinstance(node.ctx, ast.Load)
-               for node in ast.walk(tree))
+               for node in ast.walk(_cell_ast(source)))
 
 
 def test_cells_that_print_saved_benchmark_results_are_outside_nbvals_comparison():

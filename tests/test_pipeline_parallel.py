@@ -26,10 +26,12 @@ from distlab.pipeline_parallel import (
     interleaved_bubble_fraction,
     make_schedule,
     measured_bubble,
+    measured_stage_times,
     one_f_one_b,
     peak_in_flight,
     pipeline_worker,
     reference_states,
+    replay,
     run_schedule,
     simulate,
     stage_costs,
@@ -326,3 +328,15 @@ def test_gpu_single_rank_pipeline_matches_the_cpu_reference():
     summary = distlab.launch(train, 1, backend="nccl",
                              kwargs=dict(steps=8, microbatches=4, lr=3e-3))[0]
     assert summary["loss_last"] < summary["loss_first"]
+
+
+@pytest.mark.parametrize("schedule, v", [("1f1b", 1), ("interleaved", 2)])
+def test_replaying_a_timelines_own_stage_times_reproduces_it(schedule, v):
+    """``replay`` reads whole-rank work off stage spans (an interleaved span is 1/v of it) and simulates again:
+    on a timeline with unequal ranks it must give back every span where it was."""
+    sch = make_schedule(schedule, 2, 4, v)
+    timeline = simulate(sch, 4, v, forward_cost=[1.0, 1.5], backward_cost=[2.0, 3.5])
+    assert measured_stage_times(timeline.spans, 2, v) == {"F": [1.0, 1.5], "B": [2.0, 3.5]}
+    again = replay(timeline.spans, sch, 4, v)
+    assert [(s.rank, s.label, s.start, s.end) for s in again.spans] == [
+        (s.rank, s.label, s.start, s.end) for s in timeline.spans]

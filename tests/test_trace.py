@@ -5,9 +5,11 @@ One warm 2-rank and one warm 4-rank group serve every test (``Ranks.shared``); t
 """
 
 import json
+import pickle
 import warnings
 
 import pytest
+import torch
 import torch.distributed as dist
 
 import distlab
@@ -251,3 +253,38 @@ def test_a_hung_run_shows_where_each_rank_was_blocked(tmp_path):
     assert all(s.end - s.start >= 1.0 for s in trace.slices(tr) if s.args.get("blocked"))  # the timeout, at least
     names = [e["name"] for e in tr["traceEvents"] if e.get("cat") == "launcher"]
     assert "start ranks" in names and "failure: CollectiveTimeout" in names
+
+
+def _allocate_and_keep(mib: int):
+    """One tensor of ``mib`` MiB on the rank's GPU, kept until the job's end; returns its size and address."""
+    kept = torch.empty(mib * 2**20, dtype=torch.uint8, device=distlab.device())
+    return kept.numel(), kept.data_ptr()
+
+
+def test_memory_snapshots_are_refused_on_cpu_ranks_before_any_rank_starts():
+    before = distlab.last_run()
+    for start in (lambda: distlab.launch(_allocate_and_keep, 2, args=(1,), backend="gloo", memory_snapshot=True),
+                  lambda: distlab.Ranks(2, backend="gloo").run(_allocate_and_keep, args=(1,), memory_snapshot=True)):
+        with pytest.raises(ValueError, match=r"memory_snapshot=True records the CUDA caching allocator, and this "
+                                             r"launch runs gloo ranks on the CPU"):
+            start()
+    assert distlab.last_run() is before  # refused before a job was sent
+
+
+def test_a_run_without_snapshots_says_how_to_take_them(ddp_run, tmp_path):
+    with pytest.raises(ValueError, match="launch it with memory_snapshot=True on GPU ranks"):
+        ddp_run.save_memory_snapshots(tmp_path)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")
+def test_gpu_ranks_record_their_allocator_history_and_save_it_for_memory_viz(tmp_path):
+    run = distlab.launch(_allocate_and_keep, 1, args=(3,), backend="nccl", memory_snapshot=True)
+    size, address = run[0]
+    snapshot = run.memory_snapshots[0]
+    allocs = [e for trace_ in snapshot["device_traces"] for e in trace_ if e["action"] == "alloc"]
+    assert any(e["addr"] == address and e["size"] == size for e in allocs), allocs[-5:]
+    assert any(f["name"] == "_allocate_and_keep" for e in allocs for f in e.get("frames", [])), "no Python stack"
+    held = sum(b["size"] for seg in snapshot["segments"] for b in seg["blocks"] if b["state"] == "active_allocated")
+    assert held >= size  # the tensor was still alive when the snapshot was taken
+    (path,) = run.save_memory_snapshots(tmp_path)
+    assert path.name == "rank0.pickle" and pickle.loads(path.read_bytes())["segments"] == snapshot["segments"]

@@ -21,18 +21,22 @@ import symtable
 
 import nbformat
 
-__all__ = ["SKIP_TAG", "cells_checks_need", "cells_to_skip", "skippable_cells"]
+__all__ = ["SKIP_TAG", "cells_checks_need", "cells_to_skip", "skippable_cells", "python_source"]
 
 SKIP_TAG = "grader-skips"
 _ESSENTIAL = ("distlab.check", "# BEGIN SOLUTION", "# SOLUTION Q")
 
 
+def python_source(source: str) -> str:
+    """A cell's Python: its IPython lines (``%magic``, ``!shell``) dropped, so ``ast``/``symtable`` can read it."""
+    return "\n".join(line for line in source.splitlines() if not line.lstrip().startswith(("%", "!")))
+
+
 def _names(source: str) -> tuple[set[str], set[str], set[str]]:
     """(names a cell binds at module level, globals it reads as it runs, globals its functions and classes read
     when they are called later); a cell that does not parse binds and reads nothing."""
-    code = "\n".join(line for line in source.splitlines() if not line.lstrip().startswith(("%", "!")))
     try:
-        top = symtable.symtable(code, "cell", "exec")
+        top = symtable.symtable(python_source(source), "cell", "exec")
     except SyntaxError:
         return set(), set(), set()
     bound = {s.get_name() for s in top.get_symbols() if s.is_assigned() or s.is_imported() or s.is_namespace()}

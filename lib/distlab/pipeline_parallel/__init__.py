@@ -40,7 +40,9 @@ from distlab.pipeline_parallel.measure import (
     StepsBubble,
     compute_spans,
     measured_bubble,
+    measured_stage_times,
     plot_pipeline,
+    replay,
     step_spans,
     steps_bubble,
     trace_bubble,
@@ -94,6 +96,6 @@ __all__ = [
     "StageModule", "build_stages", "lm_loss", "Channels", "channels", "SavedActivations", "StepStats",
     "run_schedule", "sync_tied_gradients", "split_microbatches",
     "PHASE_COLORS", "compute_spans", "step_spans", "Bubble", "measured_bubble", "StepsBubble", "steps_bubble",
-    "plot_pipeline", "STAGE_WORK", "trace_bubble",
+    "plot_pipeline", "STAGE_WORK", "trace_bubble", "measured_stage_times", "replay",
     "check_setup", "keep_freed_memory", "pipeline_worker", "reference_states", "torch_pipelining_worker", "train",
 ]

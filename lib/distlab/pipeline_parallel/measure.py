@@ -19,11 +19,12 @@ import statistics
 from dataclasses import dataclass
 from typing import Sequence
 
+from distlab.pipeline_parallel.schedules import Action, Simulation, simulate
 from distlab.runtime import trace as trace_format
 from distlab.runtime.timeline import Span, idle_fraction
 
 __all__ = ["PHASE_COLORS", "compute_spans", "step_spans", "Bubble", "measured_bubble", "StepsBubble", "steps_bubble",
-           "plot_pipeline", "STAGE_WORK", "trace_bubble"]
+           "plot_pipeline", "STAGE_WORK", "trace_bubble", "measured_stage_times", "replay"]
 
 PHASE_COLORS = {"F": "#4C72B0", "B": "#55A868", "I": "#55A868", "W": "#8C9E3F"}
 
@@ -40,6 +41,24 @@ def step_spans(spans: Sequence[Span], step: int) -> list[Span]:
         raise KeyError(f"no span labelled 'step{step}' in this run")
     return [s for s in compute_spans(spans)
             if s.rank in markers and markers[s.rank].start <= s.start <= markers[s.rank].end]
+
+
+def measured_stage_times(spans: Sequence[Span], ranks: int, v: int = 1) -> dict[str, list[float]]:
+    """Each rank's median forward (``"F"``) and backward (``"B"``) span, in seconds, as whole-rank work: an
+    interleaved rank's span is one of its ``v`` stages, so its work per micro-batch is ``v`` times that span.
+    Medians, so one span stretched by the operating system does not move the figure."""
+    work = compute_spans(spans)
+    return {kind: [v * statistics.median(s.duration for s in work if s.rank == r and s.label[0] == kind)
+                   for r in range(ranks)] for kind in "FB"}
+
+
+def replay(spans: Sequence[Span], schedule: Sequence[Sequence[Action]], m: int, v: int = 1) -> Simulation:
+    """The step an ideal executor would have run with these spans' own stage times (:func:`measured_stage_times`
+    replayed through :func:`~distlab.pipeline_parallel.schedules.simulate`). Its bubble is what the schedule
+    costs at the measured, unequal stage times; a measured bubble above it is the executor's own cost
+    (messages, waits), not the schedule's."""
+    times = measured_stage_times(spans, len(schedule), v)
+    return simulate(schedule, m, v, forward_cost=times["F"], backward_cost=times["B"])
 
 
 # Each rank's idle share over one window common to all ranks; ``bottleneck``, ``fraction`` (the bubble) and

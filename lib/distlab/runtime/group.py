@@ -120,6 +120,7 @@ class JobResult(NamedTuple):
     counters: tuple = ()  # distlab.runtime.timeline.Counter samples, every rank's
     phases: tuple = ()  # Phase: what the launcher itself did and saw (start, job, failure), for the trace
     profiles: tuple = ()  # per rank: its torch.profiler events (launch(..., profile=True)), else None
+    memory_snapshots: tuple = ()  # per rank: its CUDA allocator snapshot (launch(..., memory_snapshot=True)), else None
 
 
 class Phase(NamedTuple):
@@ -194,7 +195,8 @@ class RankGroup:
     def alive(self) -> bool:
         return bool(self.procs) and all(p.is_alive() for p in self.procs)
 
-    def run(self, fn: Callable, args: tuple, kwargs: dict, timeout: float | None, profile: bool = False) -> JobResult:
+    def run(self, fn: Callable, args: tuple, kwargs: dict, timeout: float | None, profile: bool = False,
+            memory_snapshot: bool = False) -> JobResult:
         __tracebackhide__ = True  # IPython: show the rank's traceback, not the launcher's frames
         try:
             job_payload = payload.dumps((fn, tuple(args), dict(kwargs)))
@@ -205,7 +207,8 @@ class RankGroup:
         self.dump_offsets = {}
         self._clear_output()
         start = time.perf_counter()
-        job = (self.job_id, job_payload, start, os.getcwd(), list(sys.path), {"profile": bool(profile)})
+        job = (self.job_id, job_payload, start, os.getcwd(), list(sys.path), {"profile": bool(profile),
+                                                                  "memory_snapshot": bool(memory_snapshot)})
         for conn in self.conns:
             try:
                 conn.send(job)
@@ -216,17 +219,18 @@ class RankGroup:
         phases = self._phases(start, wall, outcome if isinstance(outcome, LaunchError) else None)
         stdout = [self._read_output(r) for r in range(self.world_size)]
         stderr = [self._read_output(r, stream="err")[:self.dump_offsets.get(r)] for r in range(self.world_size)]
-        values, comm_logs, spans, counters, profiles = self._gathered
+        values, comm_logs, spans, counters, profiles, snapshots = self._gathered
         if isinstance(outcome, LaunchError):
             # What happened up to the failure, for its trace (launch attaches it to the error as ``error.run``).
             outcome.partial = JobResult(values, comm_logs, sorted(spans, key=lambda s: (s.rank, s.start)), stdout,
-                                        stderr, wall, tuple(counters), phases, tuple(profiles))
+                                        stderr, wall, tuple(counters), phases, tuple(profiles), tuple(snapshots))
             if not (isinstance(outcome, ReturnValueError) or getattr(outcome, "group_intact", False)):
                 self.close()  # ranks left mid-communication (or dead): the next job needs fresh ones
             print_rank_output(stdout, [diagnose.without_fault_dump(text) for text in stderr])
             raise outcome
         values, comm_logs, spans = outcome
-        return JobResult(values, comm_logs, spans, stdout, stderr, wall, tuple(counters), phases, tuple(profiles))
+        return JobResult(values, comm_logs, spans, stdout, stderr, wall, tuple(counters), phases, tuple(profiles),
+                         tuple(snapshots))
 
     def _phases(self, start: float, wall: float, failure: LaunchError | None) -> tuple[Phase, ...]:
         """The launcher's side of the job, for its trace: starting the ranks (a group's first job), the job,
@@ -255,7 +259,8 @@ class RankGroup:
         spans: list[Span] = []
         counters: list = []
         profiles: list = [None] * n
-        self._gathered = (values, comm_logs, spans, counters, profiles)  # kept whole for a failed job's trace
+        snapshots: list = [None] * n
+        self._gathered = (values, comm_logs, spans, counters, profiles, snapshots)  # whole, for a failed job's trace
         self._reported_at: dict[int, float] = {}
         ledgers: list[dict] = [{} for _ in range(n)]
         pending = set(range(n))
@@ -297,6 +302,7 @@ class RankGroup:
                     comm_logs[r].peers[:] = extras["peers"]
                     counters += extras["counters"]
                     profiles[r] = extras["profile"]
+                    snapshots[r] = extras.get("memory_snapshot")
                 self._reported_at[r] = time.perf_counter()
                 pending.discard(r)
                 settled_at = time.perf_counter()

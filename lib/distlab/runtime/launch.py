@@ -36,7 +36,9 @@ from __future__ import annotations
 import atexit
 import math
 import os
+import pickle
 import sys
+from pathlib import Path
 from typing import Callable
 
 import torch
@@ -68,7 +70,7 @@ class Run(list):
     """The ranks' return values in rank order, plus what was measured while they ran."""
 
     def __init__(self, values, comm, spans, stdout, stderr, wall_time, backend, counters=(), phases=(),
-                 profiles=(), failure: LaunchError | None = None):
+                 profiles=(), failure: LaunchError | None = None, memory_snapshots=()):
         super().__init__(values)
         self.comm: list[CommLog] = comm
         self.spans: list[Span] = spans
@@ -79,12 +81,13 @@ class Run(list):
         self.counters: list[Counter] = list(counters)
         self.phases: list[Phase] = list(phases)
         self.profiles: list = list(profiles)  # per rank: torch.profiler events (profile=True), else None
+        self.memory_snapshots: list = list(memory_snapshots)  # per rank: CUDA allocator (memory_snapshot=True)
         self.failure = failure  # the error a failed run raised (its ``.run`` is this record up to the failure)
 
     @classmethod
     def from_job(cls, job: JobResult, backend: str, failure: LaunchError | None = None) -> "Run":
         return cls(job.values, job.comm, job.spans, job.stdout, job.stderr, job.wall_time, backend, job.counters,
-                   job.phases, job.profiles, failure)
+                   job.phases, job.profiles, failure, job.memory_snapshots)
 
     def trace(self, **options) -> dict:
         """This run as a Trace Event Format dict (see :func:`distlab.runtime.trace.from_run` for ``options``)."""
@@ -101,6 +104,21 @@ class Run(list):
         from distlab.runtime import trace  # noqa: PLC0415  as above
 
         return trace.save(self.trace(**options), path)
+
+    def save_memory_snapshots(self, folder) -> list[Path]:
+        """Write each GPU rank's allocator snapshot (``launch(..., memory_snapshot=True)``) to
+        ``folder/rank<r>.pickle``, the file https://pytorch.org/memory_viz opens (drag it onto the page: the
+        allocations over time with their stacks, and the segments at the job's end); returns the paths."""
+        taken = [(r, snap) for r, snap in enumerate(self.memory_snapshots) if snap is not None]
+        if not taken:
+            raise ValueError("this run has no memory snapshots: launch it with memory_snapshot=True on GPU ranks")
+        folder = Path(folder)
+        folder.mkdir(parents=True, exist_ok=True)
+        paths = []
+        for r, snap in taken:
+            paths.append(folder / f"rank{r}.pickle")
+            paths[-1].write_bytes(pickle.dumps(snap))
+        return paths
 
     @property
     def world_size(self) -> int:
@@ -181,6 +199,13 @@ def _check_arguments(fn, args, kwargs, threads) -> tuple[tuple, dict]:
     return tuple(args), dict(kwargs or {})
 
 
+def _check_memory_snapshot(memory_snapshot: bool, backend: str) -> None:
+    """Refuse ``memory_snapshot=True`` before any rank starts where there is no CUDA allocator to record."""
+    if memory_snapshot and backend != "nccl":
+        raise ValueError(f"memory_snapshot=True records the CUDA caching allocator, and this launch runs {backend} "
+                         "ranks on the CPU: use it on GPU ranks (backend='nccl'), or distlab.memory's formulas here")
+
+
 def default_threads(world_size: int) -> int:
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, cores // world_size)
@@ -202,11 +227,12 @@ def last_run() -> Run | None:
     return _last[0] if _last else None
 
 
-def _one_job(group: RankGroup, fn, args, kwargs, timeout, profile: bool, backend: str) -> Run:
+def _one_job(group: RankGroup, fn, args, kwargs, timeout, profile: bool, backend: str,
+             memory_snapshot: bool = False) -> Run:
     """One job on ``group``, kept as :func:`last_run`; a failed job's record rides on its error as ``error.run``."""
     __tracebackhide__ = True
     try:
-        job = group.run(fn, args, kwargs, timeout, profile=profile)
+        job = group.run(fn, args, kwargs, timeout, profile=profile, memory_snapshot=memory_snapshot)
     except LaunchError as error:
         partial = getattr(error, "partial", None)
         if partial is not None:
@@ -221,7 +247,7 @@ def _one_job(group: RankGroup, fn, args, kwargs, timeout, profile: bool, backend
 def launch(fn: Callable, world_size: int = 4, args: tuple = (), kwargs: dict | None = None, *,
            backend: str = "auto", timeout: float | None = None,
            collective_timeout: float = DEFAULT_COLLECTIVE_TIMEOUT, threads: int | None = None,
-           warm: bool = False, show_output: bool = True, profile: bool = False) -> Run:
+           warm: bool = False, show_output: bool = True, profile: bool = False, memory_snapshot: bool = False) -> Run:
     """Run ``fn(*args, **kwargs)`` on ``world_size`` fresh ranks; return their values in rank order.
 
     ``fn`` may be defined in a notebook cell. Inside it, ``torch.distributed`` is
@@ -231,7 +257,9 @@ def launch(fn: Callable, world_size: int = 4, args: tuple = (), kwargs: dict | N
     ``warm=True`` the ranks stay alive for the next launch of the same shape.
     ``profile=True`` runs each rank under ``torch.profiler`` (CPU activities; CUDA's too on GPU ranks),
     with every ``distlab.span`` a ``record_function`` range; ``run.save_trace(path)`` then merges the
-    ranks' profiles into the run's one trace file (:mod:`distlab.runtime.trace`).
+    ranks' profiles into the run's one trace file (:mod:`distlab.runtime.trace`). ``memory_snapshot=True``
+    (GPU ranks only) records each rank's CUDA allocator history over the job; ``run.save_memory_snapshots(folder)``
+    writes the files https://pytorch.org/memory_viz draws.
     """
     __tracebackhide__ = True
     args, kwargs = _check_arguments(fn, args, kwargs, threads)
@@ -239,13 +267,15 @@ def launch(fn: Callable, world_size: int = 4, args: tuple = (), kwargs: dict | N
     collective_timeout = _seconds("collective_timeout", collective_timeout)
     if warm:
         return Ranks.shared(world_size, backend, collective_timeout, threads).run(
-            fn, args, kwargs, timeout=timeout, show_output=show_output, profile=profile)
+            fn, args, kwargs, timeout=timeout, show_output=show_output, profile=profile,
+            memory_snapshot=memory_snapshot)
     backend = resolve_backend(backend, world_size)
+    _check_memory_snapshot(memory_snapshot, backend)
     with InterruptGuard() as guard:
         group = None
         try:
             group = RankGroup(world_size, backend, collective_timeout, threads or default_threads(world_size))
-            run = _one_job(group, fn, args, kwargs, timeout, profile, backend)
+            run = _one_job(group, fn, args, kwargs, timeout, profile, backend, memory_snapshot)
         except KeyboardInterrupt:
             raise _interrupted(world_size) from None
         finally:
@@ -292,14 +322,16 @@ class Ranks:
         return self
 
     def run(self, fn: Callable, args: tuple = (), kwargs: dict | None = None, *,
-            timeout: float | None = None, show_output: bool = True, profile: bool = False) -> Run:
+            timeout: float | None = None, show_output: bool = True, profile: bool = False,
+            memory_snapshot: bool = False) -> Run:
         __tracebackhide__ = True
         args, kwargs = _check_arguments(fn, args, kwargs, self.threads)
+        _check_memory_snapshot(memory_snapshot, self.backend)
         timeout = _seconds("timeout", timeout, optional=True)
         with InterruptGuard() as guard:
             try:
                 self.start()
-                run = _one_job(self._group, fn, args, kwargs, timeout, profile, self.backend)
+                run = _one_job(self._group, fn, args, kwargs, timeout, profile, self.backend, memory_snapshot)
             except BaseException as error:
                 if isinstance(error, ReturnValueError) or getattr(error, "group_intact", False):
                     raise  # the ranks are clean: keep them for the next job

@@ -116,11 +116,13 @@ def _run_job(rank: int, baseline: "ProcessState", job_id: int, job_payload: byte
     sys.path[:] = sys_path
     torch.manual_seed(_FRESH_TORCH_SEED)
     comm.reset(rank, clock_origin)
-    profiler = _Profiler(clock_origin) if (options or {}).get("profile") else None
+    options = options or {}
+    profiler = _Profiler(clock_origin) if options.get("profile") else None
+    history = _MemoryHistory() if options.get("memory_snapshot") else None
     timeline.reset(clock_origin, annotate=profiler.annotate if profiler else None, memory=_cuda_memory_sampler())
     try:
         fn, args, kwargs = payload.loads(job_payload)
-        with profiler if profiler is not None else nullcontext():
+        with profiler if profiler is not None else nullcontext(), history if history is not None else nullcontext():
             value = fn(*args, **kwargs)
             _drain_async_ops()
         try:
@@ -138,7 +140,8 @@ def _run_job(rank: int, baseline: "ProcessState", job_id: int, job_payload: byte
     log = comm.current_log()
     ledger = {name: dict(getattr(log.ledger, name)) for name in ("collectives", "sent", "received")}
     extras = {"events": list(log.events), "peers": list(log.peers), "counters": timeline.collect_counters(rank),
-              "profile": profiler.events() if profiler is not None else None}
+              "profile": profiler.events() if profiler is not None else None,
+              "memory_snapshot": history.snapshot if history is not None else None}
     return outcome + (dict(log.ops), timeline.collect(rank, log.events), ledger, extras)
 
 
@@ -213,6 +216,33 @@ class _Profiler:
 
     def events(self) -> dict:
         return {"events": self._trace or [], "error": self._error, "mark": self._mark}
+
+
+MEMORY_HISTORY_ENTRIES = 20_000  # allocator events kept per rank: a long job keeps its last ones, in megabytes
+
+
+class _MemoryHistory:
+    """The CUDA caching allocator's history and state over one job (``launch(..., memory_snapshot=True)``).
+
+    ``torch.cuda.memory._record_memory_history`` keeps, for every allocation and free, its size and Python stack;
+    ``_snapshot()`` returns that history with every segment and block the allocator holds at the job's end, the
+    dict https://pytorch.org/memory_viz draws. The history is a ring of ``MEMORY_HISTORY_ENTRIES`` events, so a
+    long job's snapshot stays bounded. The launcher refuses the option on CPU ranks before any rank starts.
+    """
+
+    def __init__(self):
+        self.snapshot: dict | None = None
+
+    def __enter__(self):
+        torch.cuda.memory._record_memory_history(max_entries=MEMORY_HISTORY_ENTRIES)
+        return self
+
+    def __exit__(self, *exc):
+        try:
+            self.snapshot = torch.cuda.memory._snapshot()
+        finally:
+            torch.cuda.memory._record_memory_history(enabled=None)  # stop: the next job starts its own
+        return False
 
 
 def _drain_async_ops() -> None:
