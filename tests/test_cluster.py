@@ -7,19 +7,22 @@ Launches are few and small (two cores): one two-agent launch runs every topic's 
 (``tests/cluster_jobs.py``), and the 3D run of the chapter's rehearsal is the planner's printed line.
 """
 
+import ast
 import contextlib
+import dataclasses
 import inspect
 import io
 import json
 import os
 import re
 import shlex
+import shutil
 import signal
 import socket
 import statistics
 import subprocess
 import sys
-import uuid
+import time
 from pathlib import Path
 
 import psutil
@@ -30,11 +33,14 @@ import distlab
 from cluster_jobs import SIZES
 from distlab import data_parallel, fault_tolerance, moe
 from distlab.cli import main as distlab_main
+from distlab.fault_tolerance import MetricsLog, list_checkpoints, read_checkpoint, verify_checkpoint
 from distlab.model import GPTConfig, synthetic_batch
 from distlab.parallel3d import grid
 from distlab.reference import train_reference
 from distlab.torchrun import BAD_ARGUMENTS
 from distlab.torchrun import main as torchrun_main
+
+import processes
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -55,30 +61,59 @@ def environment(**extra) -> dict:
     return env
 
 
-def run_together(commands: list[list[str]], cwd: Path, env: dict | None = None) -> list[tuple[int, str]]:
-    """Start every command at once (each in its own session), wait for all; ``(status, output)`` of each.
+@dataclasses.dataclass
+class Launch:
+    """One command started by :func:`started_together`: its process, its output, and the marker its processes carry."""
 
-    The process groups are killed at the end in every case, so nothing a launch started outlives the test.
-    """
-    logs = [cwd / f"launch{i}.log" for i in range(len(commands))]
-    procs = []
-    marker = uuid.uuid4().hex  # torchrun starts each worker in a session of its own: find them by this instead
-    try:
-        for command, log in zip(commands, logs):
-            with open(log, "w") as out:
-                tagged = dict(env or environment(), DISTLAB_TEST_LAUNCH=marker)
-                procs.append(subprocess.Popen(command, cwd=cwd, env=tagged, stdout=out, stderr=subprocess.STDOUT,
-                                              start_new_session=True))
-        codes = [p.wait(timeout=LAUNCH_TIMEOUT) for p in procs]
-    finally:
-        for p in procs:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(p.pid, signal.SIGKILL)
-        for process in psutil.process_iter():
-            with contextlib.suppress(psutil.Error):
-                if process.environ().get("DISTLAB_TEST_LAUNCH") == marker:
+    proc: subprocess.Popen
+    log: Path
+    marker: str
+
+    def kill(self) -> None:
+        """SIGKILL every process this launch started (a torchrun agent and its workers: a node lost) at once, and
+        again until none is left: an agent may start workers while its others die."""
+        for _ in range(100):
+            left = processes.started(self.marker)
+            for process in left:
+                with contextlib.suppress(psutil.NoSuchProcess):
                     process.kill()
-    return [(code, log.read_text()) for code, log in zip(codes, logs)]
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(self.proc.pid, signal.SIGKILL)  # the command's own group, whatever its environment
+            if not left:
+                return
+        raise AssertionError(f"processes of a launch outlive 100 SIGKILLs: {processes.started(self.marker)}")
+
+    def output(self) -> str:
+        return self.log.read_text()
+
+
+@contextlib.contextmanager
+def started_together(commands: list[list[str]], cwd: Path, env: dict | None = None):
+    """Start every command at once (each in its own session, with a marker of its own); yield their :class:`Launch`.
+
+    Every process a launch started is killed on the way out, whatever happened, so nothing outlives the test;
+    they are found by their marker (``tests/processes.py``), since torchrun starts each worker in a session of
+    its own.
+    """
+    launches = []
+    try:
+        for i, command in enumerate(commands):
+            marker, log = processes.launch_marker(), cwd / f"launch{i}.log"
+            with open(log, "w") as out:
+                proc = subprocess.Popen(command, cwd=cwd, env=dict(env or environment(), **{processes.MARKER: marker}),
+                                        stdout=out, stderr=subprocess.STDOUT, start_new_session=True)
+            launches.append(Launch(proc, log, marker))
+        yield launches
+    finally:
+        for launch in launches:
+            launch.kill()
+
+
+def run_together(commands: list[list[str]], cwd: Path, env: dict | None = None) -> list[tuple[int, str]]:
+    """Start every command at once, wait for all; ``(status, output)`` of each."""
+    with started_together(commands, cwd, env) as launches:
+        codes = [launch.proc.wait(timeout=LAUNCH_TIMEOUT) for launch in launches]
+    return [(code, launch.output()) for code, launch in zip(codes, launches)]
 
 
 def chapter_blocks(kind: str) -> list[str]:
@@ -93,6 +128,7 @@ CHAPTER_COMMANDS = {
     "distlab plan --model 70B": "test_distlab_plan_prints_what_the_chapter_shows",
     "kill_rank=1 kill_step=5": "test_a_killed_rank_is_restarted_and_the_losses_continue_bit_for_bit",
     "--nproc-per-node=1": "test_a_killed_rank_is_restarted_and_the_losses_continue_bit_for_bit",
+    "--nnodes=1:2": "test_a_lost_node_shrinks_the_job_to_the_other_which_resumes_from_the_resharded_checkpoint",
 }
 
 
@@ -287,6 +323,13 @@ def _metrics(folder: Path) -> dict[int, dict[int, float]]:
     return by_attempt
 
 
+def _train_arguments(job: str) -> tuple[dict, GPTConfig]:
+    """The ``key=value`` arguments of a ``distlab.fault_tolerance:train`` command, and the GPT they describe."""
+    given = dict(arg.split("=", 1) for arg in shlex.split(job.replace("\\\n", " ")) if re.match(r"\w+=", arg))
+    sizes = {**{k: v.default for k, v in inspect.signature(fault_tolerance.train).parameters.items()}, **given}
+    return given, GPTConfig(**{k: int(sizes[k]) for k in ("n_layer", "d_model", "n_head", "vocab_size", "seq_len")})
+
+
 @pytest.fixture(scope="module")
 def ranks2():
     yield distlab.Ranks.shared(2, backend="gloo", threads=1)  # one thread per rank, as torchrun's
@@ -300,9 +343,7 @@ def test_a_killed_rank_is_restarted_and_the_losses_continue_bit_for_bit(tmp_path
     (code, output), = run_together([["bash", "-c", job]], killed, environment(OMP_NUM_THREADS="1"))
     assert code == 0, output[-3000:]
     # the uninterrupted run: the same job and sizes on two notebook ranks, to step 11
-    sizes = dict(arg.split("=", 1) for arg in shlex.split(job.replace("\\\n", " ")) if re.match(r"\w+=", arg))
-    given = {**{k: v.default for k, v in inspect.signature(fault_tolerance.train).parameters.items()}, **sizes}
-    cfg = GPTConfig(**{k: int(given[k]) for k in ("n_layer", "d_model", "n_head", "vocab_size", "seq_len")})
+    sizes, cfg = _train_arguments(job)
     ranks2.run(fault_tolerance.resumable_train, args=(str(whole), 11, int(sizes["save_every"])),
                kwargs=dict(cfg=cfg, batch_size=int(sizes["batch_size"])), show_output=False)
     assert "attempt 1: resuming from step_00000003" in output and "exitcode: -9" in output  # SIGKILL
@@ -317,3 +358,92 @@ def test_a_killed_rank_is_restarted_and_the_losses_continue_bit_for_bit(tmp_path
     resharded = {step: loss for step, loss in _metrics(killed / "ckpt")[0].items() if step >= 9}
     assert sorted(resharded) == [9, 10]
     assert _worst([resharded[9], resharded[10]], [reference[9], reference[10]]) < 1e-5
+
+
+# ---------------------------------------------------------------- elastic: a node lost
+
+def _hosts(launch: Launch, port: int) -> bool:
+    """Whether a process of ``launch`` listens on ``port``: the agent that hosts the c10d rendezvous store."""
+    for process in processes.started(launch.marker):
+        with contextlib.suppress(psutil.Error):
+            if any(c.status == psutil.CONN_LISTEN and c.laddr.port == port for c in process.net_connections("tcp")):
+                return True
+    return False
+
+
+def _wait_for_step(metrics: Path, step: int, launches: list[Launch]) -> None:
+    """Until rank 0 has logged ``step`` of the first attempt (every agent still running), or fail with the logs."""
+    deadline = time.monotonic() + LAUNCH_TIMEOUT
+    while time.monotonic() < deadline:
+        if metrics.is_file() and any(r["attempt"] == 0 and r["step"] >= step for r in MetricsLog(metrics).read()):
+            return
+        ended = [launch for launch in launches if launch.proc.poll() is not None]
+        assert not ended, f"an agent ended before step {step}:\n" + "\n".join(e.output()[-3000:] for e in ended)
+        time.sleep(0.02)
+    raise AssertionError(f"no step {step} within {LAUNCH_TIMEOUT} s")
+
+
+def test_a_lost_node_shrinks_the_job_to_the_other_which_resumes_from_the_resharded_checkpoint(tmp_path, ranks2):
+    """The chapter's elastic line (``--nnodes=1:2``) on two agents of two ranks; one agent and its ranks are killed.
+
+    The other agent's ranks fail in their next collective; the agent restarts (``--max-restarts``), waits at the
+    rendezvous until the dead node's heartbeat expires, closes the round alone (one node is ``MIN``) and starts its
+    two workers, which load the checkpoint the four wrote. What must be equal, and why: the job keeps its global
+    batch (``batch_size``) and splits it over the ranks it has, so the two ranks train on the same sequences, in
+    the same order (the data position is in the checkpoint), with the same optimizer state, as the four would have.
+    Only the order of the arithmetic changes — the loss and the gradient are the mean of two per-rank means
+    instead of four — so the losses after the shrink equal, bit for bit, those of a two-rank run started from the
+    same checkpoint (the run below, on notebook ranks), and an uninterrupted four-rank run's only to rounding
+    (checked on the steps both attempts trained). The state the two loaded equals the checkpoint tensor for tensor.
+    The agent that hosts the c10d rendezvous store (the first to bind the port, on one machine where both match
+    the endpoint) must survive: the other is the one killed.
+    """
+    job = chapter_command("--nnodes=1:2")
+    sizes, cfg = _train_arguments(job)
+    steps, save_every, ckpt = int(sizes["steps"]), int(sizes["save_every"]), tmp_path / sizes["ckpt_dir"]
+    port = free_port()
+    env = environment(HEAD_NODE="127.0.0.1", MASTER_PORT=str(port))
+    with started_together([["bash", "-c", job]] * 2, tmp_path, env) as nodes:
+        _wait_for_step(ckpt / "metrics.jsonl", 0, nodes)  # training: the rendezvous is done
+        hosts = [_hosts(node, port) for node in nodes]
+        assert sorted(hosts) == [False, True], hosts
+        kept, lost = (nodes[0], nodes[1]) if hosts[0] else (nodes[1], nodes[0])
+        _wait_for_step(ckpt / "metrics.jsonl", save_every, nodes)  # the first checkpoint is committed
+        lost.kill()
+        code = kept.proc.wait(timeout=LAUNCH_TIMEOUT)
+        output = kept.output()
+    assert code == 0 and lost.proc.wait() == -signal.SIGKILL, output[-3000:]
+    printed = lost.output() + output
+    # the workers' own lines: four ranks on two nodes first, then two on one
+    assert "[resumable dp-2] attempt 0" not in printed, "the agents met in two rounds (one joined more than " \
+        "last_call_timeout after the other): the first round trained on two ranks alone\n" + printed[-3000:]
+    assert "[resumable dp-4] attempt 0: starting fresh" in printed, printed[-3000:]
+    resumed = re.search(r"\[resumable dp-2\] attempt 1: resuming from (step_(\d{8})) \(written by 4 ranks, "
+                        r"resharded to 2\)", output)
+    assert resumed, output[-3000:]
+    ends = [ast.literal_eval(line.split("] ", 1)[1]) for line in output.splitlines()
+            if re.match(r"\[rank \d\] \{", line)]  # what each worker returned, printed by distlab.torchrun
+    assert [(r["rank"], r["world_size"], r["attempt"]) for r in ends] == [(0, 2, 1), (1, 2, 1)], ends
+    start = int(resumed[2])
+    # the step it resumed from is the last checkpoint the four ranks committed
+    by_four = [step for step, path in list_checkpoints(ckpt) if verify_checkpoint(path)["world_size"] == 4]
+    assert by_four and start == max(by_four) == ends[0]["start"], (start, by_four)
+    # what the two ranks loaded is the checkpoint, tensor for tensor
+    loaded = torch.load(tmp_path / sizes["resumed_state"], weights_only=False)
+    stored = read_checkpoint(ckpt / resumed[1])
+    assert loaded.keys() == stored.keys() and loaded["train.step"] == start
+    for key, value in stored.items():
+        same = torch.equal(loaded[key], value) if isinstance(value, torch.Tensor) else loaded[key] == value
+        assert same, f"{key} after loading differs from the checkpoint's"
+    # after the shrink: a two-rank run from the same checkpoint, bit for bit
+    reference = tmp_path / "from_the_checkpoint"
+    shutil.copytree(ckpt / resumed[1], reference / resumed[1])
+    ranks2.run(fault_tolerance.resumable_train, args=(str(reference), steps, save_every),
+               kwargs=dict(cfg=cfg, batch_size=int(sizes["batch_size"])), show_output=False)
+    attempts, two = _metrics(ckpt), _metrics(reference)[0]
+    assert sorted(attempts) == [0, 1] and sorted(attempts[1]) == sorted(two) == list(range(start, steps))
+    for step, loss in attempts[1].items():
+        assert loss == two[step], f"step {step}: {loss!r} after the shrink, {two[step]!r} from the checkpoint on 2"
+    both = sorted(set(attempts[0]) & set(attempts[1]))  # trained by the four before the kill, and again by the two
+    if both:  # none when the kill came right after a checkpoint
+        assert _worst([attempts[0][k] for k in both], [attempts[1][k] for k in both]) < 1e-5

@@ -54,7 +54,7 @@ from distlab.runtime.timeline import span
 __all__ = [
     "CheckpointError", "MANIFEST", "PARTIAL_SUFFIX", "checkpoint_path", "list_checkpoints", "latest_checkpoint",
     "partial_checkpoints", "verify_checkpoint", "check_compatible", "checkpoint_group", "save_checkpoint",
-    "async_save_checkpoint", "PendingCheckpoint", "load_checkpoint", "read_checkpoint", "TrainState",
+    "async_save_checkpoint", "PendingCheckpoint", "load_checkpoint", "read_checkpoint", "flat_state", "TrainState",
 ]
 
 MANIFEST = "distlab.json"
@@ -145,12 +145,18 @@ def verify_checkpoint(path: str | os.PathLike, checksums: bool = True) -> dict:
     return dict(manifest, path=str(path))
 
 
-def _flat_tensors(state: dict) -> dict[str, tuple[int, ...]]:
-    """``{dcp key: global shape}`` for every tensor in ``state``, keyed as DCP flattens it."""
-
+def flat_state(state: dict) -> dict[str, Any]:
+    """``state`` keyed as DCP stores it: ``Stateful`` values through their ``state_dict()``, nested keys joined
+    by dots (``train.model.blocks.0.attn.qkv.weight``, ``train.step``): the keys :func:`read_checkpoint` returns,
+    so what a rank holds can be compared with what a checkpoint holds, key by key."""
     plain = {k: (v.state_dict() if isinstance(v, Stateful) else v) for k, v in state.items()}
     flat, _ = flatten_state_dict(plain)
-    return {k: tuple(v.shape) for k, v in flat.items() if isinstance(v, torch.Tensor)}
+    return flat
+
+
+def _flat_tensors(state: dict) -> dict[str, tuple[int, ...]]:
+    """``{dcp key: global shape}`` for every tensor in ``state``, keyed as DCP flattens it."""
+    return {k: tuple(v.shape) for k, v in flat_state(state).items() if isinstance(v, torch.Tensor)}
 
 
 def check_compatible(path: str | os.PathLike, state: dict) -> None:
@@ -374,8 +380,7 @@ def read_checkpoint(path: str | os.PathLike, verify: bool = True) -> dict[str, A
     with tempfile.TemporaryDirectory(prefix="distlab-read-") as tmp:
         dcp_to_torch_save(manifest["path"], os.path.join(tmp, "state.pt"))
         nested = torch.load(os.path.join(tmp, "state.pt"), weights_only=False)
-    flat, _ = flatten_state_dict(nested)
-    return flat
+    return flat_state(nested)
 
 
 # ---------------------------------------------------------------- what a training job saves

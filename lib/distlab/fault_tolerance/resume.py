@@ -31,10 +31,12 @@ from distlab.data_parallel import BucketedDDP
 from distlab.fault_tolerance.checkpoint import (
     TrainState,
     async_save_checkpoint,
+    flat_state,
     latest_checkpoint,
     load_checkpoint,
     partial_checkpoints,
     save_checkpoint,
+    verify_checkpoint,
 )
 from distlab.fault_tolerance.faults import Fault
 from distlab.flops import step_report
@@ -181,13 +183,15 @@ def train_step_ddp(setup: TrainSetup, indices: torch.Tensor) -> float:
 
 def resumable_train(ckpt_dir: str, steps: int, save_every: int, *, attempt: int = 0, fault: Fault | None = None,
                     async_save: bool = False, cfg: GPTConfig | None = None, batch_size: int = 8, lr: float = 3e-3,
-                    seed: int = 0, data_seed: int = 0, n_items: int = 64, on_step: Callable | None = None) -> dict:
+                    seed: int = 0, data_seed: int = 0, n_items: int = 64, on_step: Callable | None = None,
+                    on_resume: Callable[[TrainSetup], None] | None = None) -> dict:
     """Train to ``steps``, resuming from the latest committed checkpoint in ``ckpt_dir``; save every ``save_every``.
 
     Runs on every rank. Rank 0 appends each step's loss to ``ckpt_dir/metrics.jsonl``
     tagged with ``attempt``. A checkpoint named ``step_k`` holds the state after ``k``
     updates, so a resumed job starts with step ``k``. Returns where it started and the
-    losses it computed, by step. ``on_step(step, loss, seconds)`` is called after every step.
+    losses it computed, by step. ``on_step(step, loss, seconds)`` is called after every step;
+    ``on_resume(setup)`` once a checkpoint is loaded, before the first step trained from it.
     """
     setup = make_training(cfg, batch_size, lr, seed, data_seed, n_items)
     rank = dist.get_rank()
@@ -195,6 +199,8 @@ def resumable_train(ckpt_dir: str, steps: int, save_every: int, *, attempt: int 
     latest = latest_checkpoint(ckpt_dir)
     if latest is not None:
         load_checkpoint({"train": setup.state}, latest)
+        if on_resume is not None:
+            on_resume(setup)
     start = setup.state.step
     losses, pending = {}, None
     for step in range(start, steps):
@@ -292,8 +298,8 @@ def run_with_restarts(worker: Callable, world_size: int, ckpt_dir: str, *, kwarg
 
 def train(ckpt_dir: str = "checkpoints", steps: int = 20, save_every: int = 5, batch_size: int = 8, n_layer: int = 2,
           d_model: int = 64, n_head: int = 4, vocab_size: int = 256, seq_len: int = 64, lr: float = 3e-3,
-          seed: int = 0, async_save: bool = False, kill_rank: int = -1, kill_step: int = -1, log_every: int = 0,
-          peak: float | str = "measured") -> dict:
+          seed: int = 0, async_save: bool = False, kill_rank: int = -1, kill_step: int = -1, resumed_state: str = "",
+          log_every: int = 0, peak: float | str = "measured") -> dict:
     """The resumable job under torchrun, whose agent restarts the group after a rank dies::
 
         torchrun --nproc-per-node=4 --max-restarts=3 -m distlab.torchrun distlab.fault_tolerance:train \\
@@ -302,8 +308,14 @@ def train(ckpt_dir: str = "checkpoints", steps: int = 20, save_every: int = 5, b
     The attempt is torchrun's ``TORCHELASTIC_RESTART_COUNT``; every attempt resumes from the latest
     committed checkpoint in ``ckpt_dir`` (a directory every node sees), so losses continue bit for bit.
     ``kill_rank``/``kill_step``: a :class:`Fault` SIGKILLs that rank at that step of the first attempt (a
-    rehearsal of the real thing). ``batch_size`` is the global batch. ``log_every=k`` (torchrun's default
-    is 1): rank 0 says where it resumed and prints every k-th step (loss, tokens/s, MFU against ``peak``).
+    rehearsal of the real thing). ``batch_size`` is the global batch, whatever the world size: an elastic
+    launch (``--nnodes=1:2``) that comes back with fewer ranks after losing a node splits the same batches
+    over them (a larger share each) and loads the checkpoint the larger world wrote (DCP reshards it), so
+    the optimizer sees the same data in the same order. ``resumed_state=FILE``: after loading a checkpoint,
+    rank 0 writes the state it holds there (``torch.save`` of :func:`flat_state`: weights, Adam's moments,
+    step and data position, keyed as :func:`read_checkpoint` keys the checkpoint), so a resharded restart
+    can be checked tensor by tensor. ``log_every=k`` (torchrun's default is 1): rank 0 says at which world
+    size it starts and from where, and prints every k-th step (loss, tokens/s, MFU against ``peak``).
     """
     cfg = GPTConfig(vocab_size=int(vocab_size), seq_len=int(seq_len), n_layer=int(n_layer), n_head=int(n_head),
                     d_model=int(d_model))
@@ -319,12 +331,22 @@ def train(ckpt_dir: str = "checkpoints", steps: int = 20, save_every: int = 5, b
     latest = latest_checkpoint(ckpt_dir)
     report = step_report(f"resumable dp-{world}", cfg, int(steps), int(batch_size) * cfg.seq_len, log_every, peak)
     if report and rank == 0:
-        where = f"resuming from {latest.name}" if latest is not None else "starting fresh"
+        where = "starting fresh"
+        if latest is not None:
+            writers = verify_checkpoint(latest, checksums=False)["world_size"]
+            where = f"resuming from {latest.name}" + (f" (written by {writers} ranks, resharded to {world})"
+                                                       if writers != world else "")
         print(f"[resumable dp-{world}] attempt {attempt}: {where} in {ckpt_dir}", flush=True)
+
+    def write_resumed(setup: TrainSetup) -> None:
+        if rank == 0:  # DDP: every rank holds the whole state, so rank 0's is all of it
+            torch.save(flat_state({"train": setup.state}), resumed_state)
+
     out = resumable_train(ckpt_dir, int(steps), int(save_every), attempt=attempt, fault=fault,
                           async_save=bool(async_save), cfg=cfg, batch_size=int(batch_size), lr=float(lr),
-                          seed=int(seed), on_step=report.step if report else None)
-    result = {"rank": rank, "attempt": attempt, "start": out["start"],
+                          seed=int(seed), on_step=report.step if report else None,
+                          on_resume=write_resumed if resumed_state else None)
+    result = {"rank": rank, "world_size": world, "attempt": attempt, "start": out["start"],
               "losses": [out["losses"][k] for k in sorted(out["losses"])]}
     if report:
         result["mfu"] = report.finish()["mfu"]
