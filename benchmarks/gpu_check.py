@@ -749,8 +749,55 @@ def part_labs(report: Report) -> None:
     report.figures.update(world_size=world, backend=backend, devices=where, rows=rows)
 
 
+def torchrun_workers(world: int, ckpt_dir: str) -> list[tuple[str, str, list[str]]]:
+    """Every topic's torchrun worker (course/cluster.md), as (its step lines' tag, target, arguments) at ``world``
+    ranks: the cluster path's own entry points, with shapes that split over ``world``."""
+    dp, pp, tp = grid_shape(world)
+    heads = max(4, world)
+    return [
+        ("ddp", "distlab.data_parallel:train", ["steps=4"]),
+        ("zero-3", "distlab.zero:train", ["steps=4", "stage=3"]),
+        (f"tp-{world}", "distlab.tensor_parallel:train", ["steps=4", f"n_head={heads}", f"d_model={32 * heads}"]),
+        (f"pp-{world}", "distlab.pipeline_parallel:train", ["steps=4", "microbatches=4"]),
+        (f"cp-{world} ring", "distlab.context_parallel:train", ["steps=4"]),
+        (f"moe-{world}", "distlab.moe:train", ["steps=4", f"num_experts={max(8, world)}"]),
+        ("fp8 dp", "distlab.fp8:train", ["steps=4"]),
+        (f"3d dp{dp}·pp{pp}·tp{tp}", "distlab.parallel3d.grid:train", [f"dp={dp}", f"pp={pp}", f"tp={tp}", "steps=4"]),
+        (f"resumable dp-{world}", "distlab.fault_tolerance:train", ["steps=6", "save_every=3", f"ckpt_dir={ckpt_dir}"]),
+    ]
+
+
+def worker_lines(output: list[str], tag: str) -> tuple[str | None, str | None]:
+    """Rank 0's last per-step line and its summary line for the worker tagged ``tag`` (``[tag] step k/n …``,
+    ``[tag] done: …``), as a cluster user watches them."""
+    steps = [line for line in output if line.startswith(f"[{tag}] step ")]
+    done = [line for line in output if line.startswith(f"[{tag}] done: ")]
+    return (steps[-1] if steps else None), (done[-1] if done else None)
+
+
+def part_workers(report: Report) -> None:
+    """Each topic's ``train`` under ``torchrun --standalone`` on NCCL ranks (issue 29: the cluster path on GPUs),
+    with rank 0's last step line and summary quoted; a worker that fails is recorded and the next still runs."""
+    world, backend = _world(), _backend()
+    rows = []
+    with tempfile.TemporaryDirectory(prefix="gpu-check-workers-") as tmp:
+        for tag, target, arguments in torchrun_workers(world, str(Path(tmp) / "checkpoints")):
+            cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", f"--nproc-per-node={world}",
+                   "-m", "distlab.torchrun", target, *arguments, "--backend", backend]
+            child = run_child(cmd, 240, env=_child_env())
+            step, done = worker_lines(child.output, tag)
+            ok = child.returncode == 0 and step is not None and done is not None
+            detail = f"{step}\n    {done}" if ok else f"status {child.returncode}: {' | '.join(child.output[-3:])}"
+            rows.append({"target": target, "ok": ok, "seconds": child.seconds, "step_line": step, "done_line": done})
+            report.line(f"torchrun {target} on {world} {backend} rank(s): {'ok' if ok else 'FAILED'} in "
+                        f"{child.seconds:.0f} s — {detail}")
+            report.check(f"{target} under torchrun on {backend}", ok, detail)
+    report.figures.update(world_size=world, backend=backend, rows=rows)
+
+
 CHILD_PARTS = {"lab09-fp8": part_lab09_fp8, "lab01-memory": part_lab01_memory, "lab04-memory": part_lab04_memory,
-               "lab03-mfu": part_lab03_mfu, "lab12-checkpoint": part_lab12_checkpoint, "labs": part_labs}
+               "lab03-mfu": part_lab03_mfu, "lab12-checkpoint": part_lab12_checkpoint, "labs": part_labs,
+               "workers": part_workers}
 PARTS = ["environment", *CHILD_PARTS, "tests", "notebooks"]
 
 

@@ -34,6 +34,7 @@ from cluster_jobs import SIZES
 from distlab import data_parallel, fault_tolerance, moe
 from distlab.cli import main as distlab_main
 from distlab.fault_tolerance import MetricsLog, list_checkpoints, read_checkpoint, verify_checkpoint
+from distlab.flops import StepReport
 from distlab.model import GPTConfig, synthetic_batch
 from distlab.parallel3d import grid
 from distlab.reference import train_reference
@@ -447,3 +448,10 @@ def test_a_lost_node_shrinks_the_job_to_the_other_which_resumes_from_the_reshard
     both = sorted(set(attempts[0]) & set(attempts[1]))  # trained by the four before the kill, and again by the two
     if both:  # none when the kill came right after a checkpoint
         assert _worst([attempts[0][k] for k in both], [attempts[1][k] for k in both]) < 1e-5
+
+
+def test_a_step_faster_than_the_peak_is_reported_unfaithful_not_explained():
+    report = StepReport("ddp", 2, tokens_per_step=1000, flops_per_token=6e6, peak_flops=1e9, peak_name="stated",
+                        devices=1, every=1)
+    assert report.line(0, 5.0, 1.0).endswith("MFU 600.00%  1000.0 ms  (unfaithful: above 100% of the peak)")
+    assert "unfaithful" not in report.line(1, 5.0, 10.0)  # 60%

@@ -282,3 +282,14 @@ def test_merge_refuses_evidence_from_another_device_or_none(tmp_path):
     (tmp_path / "gpu.json").write_text(json.dumps(_evidence([{"name": "Tesla T4"}], {})), encoding="utf-8")
     with pytest.raises(SystemExit, match="measured on Tesla T4"):
         gpu_check.merge_into(data, tmp_path)
+
+
+def test_the_workers_part_quotes_rank_0s_last_step_and_summary_of_every_topic():
+    output = ["[ddp] step 1/2  loss 5.1  100 tokens/s  MFU 1.00%  10.0 ms", "[rank 0] {...}",
+              "[ddp] step 2/2  loss 4.9  120 tokens/s  MFU 1.20%  9.0 ms", "[ddp] done: 2 steps, loss 5.1 → 4.9"]
+    assert gpu_check.worker_lines(output, "ddp") == (output[2], output[3])
+    assert gpu_check.worker_lines(output, "zero-3") == (None, None)
+    targets = [target for _, target, _ in gpu_check.torchrun_workers(8, "/tmp/ckpt")]
+    # one per topic with a torchrun worker: the chapter's targets
+    chapter = (REPO / "course" / "cluster.md").read_text()
+    assert len(set(targets)) == 9 and all(t.split(":")[0] in chapter or t in chapter for t in targets), targets

@@ -167,6 +167,11 @@ def resolve_peak(peak: float | str = "measured", device: str | torch.device = "c
     return found.flops, f"measured {found.dtype} matmul peak {format_flops(found.flops)}/s"
 
 
+def _unfaithful(mfu_value: float | None) -> str:
+    """A step cannot beat the peak its MFU is taken against: above 100%, the timing is not to be trusted."""
+    return "  (unfaithful: above 100% of the peak)" if mfu_value is not None and mfu_value > 1 else ""
+
+
 class StepReport:
     """One line per optimizer step and a final summary: what someone watching a cluster job reads.
 
@@ -190,7 +195,7 @@ class StepReport:
         value = mfu(self.flops_per_token, rate, self.peak_flops * self.devices)
         tag = " (warm-up)" if step < self.warmup else ""
         return (f"[{self.name}] step {step + 1}/{self.steps}  loss {loss:.4f}  {rate:,.0f} tokens/s  "
-                f"MFU {100 * value:.2f}%  {1000 * seconds:.1f} ms{tag}")
+                f"MFU {100 * value:.2f}%  {1000 * seconds:.1f} ms{tag}{_unfaithful(value)}")
 
     def step(self, step: int, loss: float, seconds: float) -> None:
         self.losses.append(float(loss))
@@ -216,7 +221,7 @@ class StepReport:
         if self.show and out["steps"]:
             print(f"[{self.name}] done: {out['steps']} steps, loss {out['loss_first']:.4f} → {out['loss_last']:.4f}, "
                   f"median {1000 * out['step_time_s']:.1f} ms/step, {out['tokens_per_s']:,.0f} tokens/s, "
-                  f"MFU {100 * out['mfu']:.2f}% of {self.devices} × {out['peak']}", flush=True)
+                  f"MFU {100 * out['mfu']:.2f}% of {self.devices} × {out['peak']}{_unfaithful(out['mfu'])}", flush=True)
         return out
 
 
