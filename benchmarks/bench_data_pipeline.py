@@ -1,6 +1,6 @@
 """Lab 10 benchmark: distlab.data vs an equivalent datatrove pipeline, same input, same machine.
 
-    python benchmarks/bench_data_pipeline.py [--repeats 3] [--docs-per-file 400] [--files 4]
+    python benchmarks/bench_data_pipeline.py [--parts stages,engines] [--repeats 3] [--docs-per-file 400] [--files 4]
                                              [--datatrove-python /tmp/dtvenv/bin/python] [INPUT.warc.wet.gz ...]
 
 Without inputs it generates a (labelled, synthetic) WET crawl with distlab.data.samples. datatrove runs
@@ -13,6 +13,24 @@ We time both (medians of ``--repeats`` runs, one worker each, one after the othe
 * what each stage datatrove does not have costs us per document read.
 
 Results go to benchmarks/results/data_pipeline.{json,txt} (``distlab.results``); the lab notebook loads them.
+
+Two parts (``--parts``, both by default; a part not run keeps its saved figures and says when they were measured):
+
+* ``stages``: the comparison with datatrove above (one worker each).
+* ``engines``: the local engine and the Ray engine (``--engine ray`` on a local Ray instance started before the run
+  and stopped after it, timed apart, as a cluster is up before a job) with ``--workers`` workers each, one after
+  the other on the same input, alternating, ``--engine-repeats`` times: documents/s per core side by side (target:
+  Ray >= 0.8x local; the start and stop are reported, and the ratio with them counted in). The input is the real
+  pages of ../shared/data (Common Crawl and Dolma samples, their text written as WET records), replicated
+  ``--copies`` times with rewritten URLs and 2% of the words edited (so a replica is a near-duplicate, not a URL
+  duplicate) and spread over ``--engine-files`` files; the summary says so. Then phase 2's peak memory
+  (tracemalloc, the local engine re-running phase 2 from stored phase-1 results) against the number of documents
+  it takes, over growing prefixes of those files, with the least-squares line: the bytes per document lab 10 uses
+  to plan a 10 GB run.
+
+Measure only the engines (keeping the saved datatrove comparison), as on a shared machine:
+
+    python benchmarks/bench_data_pipeline.py --parts engines
 
 datatrove is NOT a project dependency: install it in a separate virtual environment outside the repository and
 point ``--datatrove-python`` at it (it runs there in a subprocess; without it only our side is measured):
@@ -155,25 +173,11 @@ def run_ours(inputs, out: Path):
     return time.perf_counter() - start, report
 
 
-def main() -> int:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("inputs", nargs="*")
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--files", type=int, default=4)
-    parser.add_argument("--docs-per-file", type=int, default=400)
-    parser.add_argument("--datatrove-python", help="python of a virtual environment with datatrove installed")
-    parser.add_argument("--datatrove-worker", nargs=2, metavar=("INPUT_DIR", "SCRATCH"), help=argparse.SUPPRESS)
-    args = parser.parse_args()
-    if args.datatrove_worker:
-        datatrove_worker(Path(args.datatrove_worker[0]), Path(args.datatrove_worker[1]), args.repeats)
-        return 0
-
+def stages_part(args, scratch: Path) -> tuple[dict, str]:
+    """Our pipeline against datatrove on the same stages, one worker each: (figures, summary)."""
     from distlab import results  # noqa: PLC0415  this file also runs in the datatrove venv
     from distlab.data.samples import generate_sample  # noqa: PLC0415  this file also runs in the datatrove venv
-    from distlab.data.shards import ensure_tiktoken_cache  # noqa: PLC0415  this file also runs in the datatrove venv
 
-    ensure_tiktoken_cache()
-    scratch = Path(tempfile.mkdtemp(prefix="bench-data-"))
     if args.inputs:
         input_dir = scratch / "input"
         input_dir.mkdir()
@@ -238,10 +242,188 @@ def main() -> int:
     lines.append(f"new stages per document read: toxicity classifier {stage_ms['toxicity']:.2f} ms, "
                  f"line dedup {stage_ms['line_dedup']:.3f} ms; measured on {cpus} CPU cores, one worker per pipeline "
                  "(a single-process comparison: the core count does not change it)")
-    summary = "\n".join(lines)
-    print(summary)
-    results.save("data_pipeline", data, summary)
-    shutil.rmtree(scratch, ignore_errors=True)
+    return data, "\n".join(lines)
+
+
+SHARED_DATA = ROOT.parent / "shared" / "data"
+
+
+def replicated_crawl(directory: Path, copies: int, files: int) -> dict:
+    """The real pages of ../shared/data, ``copies`` times over ``files`` WET files, each copy under its own host and
+    with 2% of its words edited (a near-duplicate of the page, which URL dedup does not catch)."""
+    import random  # noqa: PLC0415  this file also runs in the datatrove venv
+
+    from distlab.data.read import parse_wet  # noqa: PLC0415  this file also runs in the datatrove venv
+    from distlab.data.samples import SampleRecord, edit_words, write_records  # noqa: PLC0415  (same)
+
+    sources = sorted(SHARED_DATA.rglob("*.gz"))
+    if not sources:
+        raise SystemExit(f"no real pages under {SHARED_DATA}: the engines part needs the course's shared folder")
+    pages = [doc for path in sources for doc in parse_wet(path)]
+    rng = random.Random(0)
+    records = [[] for _ in range(files)]
+    for copy in range(copies):
+        for number, page in enumerate(pages):
+            path = page.url.split("://", 1)[-1].split("/", 1)[-1]
+            records[copy % files].append(SampleRecord(
+                "replica", edit_words(rng, page.text, 0.02) if copy else page.text,
+                f"https://replica-{copy:04d}.example/{path}", f"<urn:uuid:{copy:08x}-0000-4000-8000-{number:012x}>",
+                date=page.date))
+    directory.mkdir(parents=True)
+    paths = []
+    for number, chunk in enumerate(records):
+        paths.append(directory / f"replicated-{number:03d}.warc.wet.gz")
+        write_records(paths[-1], chunk)
+    return {"paths": paths, "pages": len(pages), "sources": [path.name for path in sources],
+            "bytes_per_document": sum(len(page.text.encode("utf-8")) for page in pages) / len(pages)}
+
+
+def phase_two_memory(inputs: list[Path], out: Path) -> tuple[int, int]:
+    """(documents phase 2 takes, its peak traced bytes): the local engine re-running phase 2 over ``inputs`` from the
+    phase-1 results a finished run left in ``out``."""
+    import tracemalloc  # noqa: PLC0415  this file also runs in the datatrove venv
+
+    from distlab.data import PipelineConfig, run_pipeline  # noqa: PLC0415  this file also runs in the datatrove venv
+
+    tracemalloc.start()
+    base = tracemalloc.get_traced_memory()[0]
+    report = run_pipeline(inputs, out, PipelineConfig())  # every file resumed: phase 2 alone
+    peak = tracemalloc.get_traced_memory()[1] - base
+    tracemalloc.stop()
+    assert report.files_resumed == len(inputs)
+    return next(stage.docs_in for stage in report.stages if stage.name == "record_id"), peak
+
+
+def engines_part(args, scratch: Path) -> tuple[dict, str]:
+    """The local and the Ray engine side by side with the same workers on the same input; phase 2's memory."""
+    import numpy as np  # noqa: PLC0415  this file also runs in the datatrove venv
+    import ray  # noqa: PLC0415  the Ray engine's own dependency, only for this part
+
+    from distlab.data import PipelineConfig, run_pipeline  # noqa: PLC0415  this file also runs in the datatrove venv
+    from distlab.data.ray_engine import connect  # noqa: PLC0415  imports Ray, which only this part needs
+
+    crawl = replicated_crawl(scratch / "replicated", args.copies, args.engine_files)
+    inputs = crawl["paths"]
+    runs, ray_start = {"local": [], "ray": []}, []
+    reports = {}
+    for repeat in range(args.engine_repeats):
+        for engine in ("local", "ray"):  # alternating, so a change in the machine's load hits both
+            if engine == "ray":  # what `--engine ray` does without --address, timed apart: a cluster is up already
+                start = time.perf_counter()
+                connect(workers=args.workers)
+                ray_start.append(time.perf_counter() - start)
+            start = time.perf_counter()
+            reports[engine] = run_pipeline(inputs, scratch / f"{engine}{repeat}", PipelineConfig(),
+                                           workers=args.workers, engine=engine)
+            runs[engine].append(time.perf_counter() - start)
+            if engine == "ray":
+                start = time.perf_counter()
+                ray.shutdown()
+                ray_start[-1] += time.perf_counter() - start
+            if engine == "ray" or repeat < args.engine_repeats - 1:  # the last local run's phase-1 results serve below
+                shutil.rmtree(scratch / f"{engine}{repeat}")
+    same = {key: reports["local"].to_json()[key] == reports["ray"].to_json()[key]
+            for key in ("documents_in", "kept", "rejected", "tokens", "shards")}
+    n = reports["local"].documents_in
+    rate = {engine: n / statistics.median(seconds) for engine, seconds in runs.items()}
+    per_core = {engine: value / args.workers for engine, value in rate.items()}
+    ratio = rate["ray"] / rate["local"]
+    with_start = n / statistics.median(run + up for run, up in zip(runs["ray"], ray_start)) / rate["local"]
+
+    sizes, peaks = [], []
+    for count in sorted({max(1, len(inputs) * k // 4) for k in (1, 2, 3, 4)}):
+        documents, peak = phase_two_memory(inputs[:count], scratch / f"local{args.engine_repeats - 1}")
+        sizes.append(documents)
+        peaks.append(peak)
+    slope, intercept = np.polyfit(sizes, peaks, 1)
+    fitted = np.polyval([slope, intercept], sizes)
+    r2 = 1 - float(np.sum((np.array(peaks) - fitted) ** 2) / np.sum((np.array(peaks) - np.mean(peaks)) ** 2))
+    survivors = next(stage.docs_in for stage in reports["local"].stages if stage.name == "record_id") / n
+
+    data = {"documents": n, "files": len(inputs), "workers": args.workers, "repeats": args.engine_repeats,
+            "copies": args.copies, "real_pages": crawl["pages"], "sources": crawl["sources"],
+            "bytes_per_document": crawl["bytes_per_document"], "phase_one_survivors": survivors,
+            "runs_s": runs, "ray_start_stop_s": ray_start, "docs_per_s": rate, "docs_per_s_per_core": per_core,
+            "ratio": ratio, "ratio_with_ray_start": with_start,
+            "same_answer": all(same.values()),
+            "phase_two_memory": {"documents": sizes, "peak_bytes": peaks, "bytes_per_document": float(slope),
+                                 "intercept_bytes": float(intercept), "r2": r2}}
+    lines = [f"engines: {n} documents in {len(inputs)} WET files = the {crawl['pages']} real pages of "
+             f"../shared/data ({', '.join(crawl['sources'])}; text as WET records, "
+             f"{crawl['bytes_per_document']:.0f} bytes each on average) replicated {args.copies} times with rewritten "
+             f"URLs and 2% of words edited (REPLICATED, not a crawl: the replicas are near-duplicates); "
+             f"{args.workers} workers per engine, {args.engine_repeats} runs each, alternating",
+             f"{'engine':<34}{'median s':>10}{'docs/s':>10}{'per core':>10}   runs",
+             *[f"{engine + ' (' + str(args.workers) + ' workers)':<34}{statistics.median(runs[engine]):>10.2f}"
+               f"{rate[engine]:>10.1f}{per_core[engine]:>10.1f}   " + ", ".join(f"{s:.2f}" for s in runs[engine])
+               for engine in ("local", "ray")],
+             f"ray / local throughput with {args.workers} workers each: {ratio:.2f}x (target >= 0.8x; on a Ray "
+             "instance already up, as a cluster is)" + ("" if data["same_answer"] else f"; ENGINES DISAGREE: {same}"),
+             "starting and stopping the local Ray instance took " + ", ".join(f"{s:.2f}" for s in ray_start)
+             + f" s; counted in, ray / local is {with_start:.2f}x (the start is paid once per cluster, not per run)",
+             "phase 2 peak memory (local engine, tracemalloc) vs documents it takes: "
+             + ", ".join(f"{d} docs {b / 2**20:.1f} MiB" for d, b in zip(sizes, peaks)),
+             f"phase 2 memory = {slope / 1024:.1f} KiB per document + {intercept / 2**20:.1f} MiB "
+             f"(least squares, R^2 {r2:.3f}); phase 1 keeps {survivors:.0%} of the documents read"]
+    return data, "\n".join(lines)
+
+
+PARTS = {"stages": stages_part, "engines": engines_part}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("inputs", nargs="*")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--files", type=int, default=4)
+    parser.add_argument("--docs-per-file", type=int, default=400)
+    parser.add_argument("--datatrove-python", help="python of a virtual environment with datatrove installed")
+    parser.add_argument("--workers", type=int, default=2, help="engines part: workers of each engine")
+    parser.add_argument("--copies", type=int, default=128, help="engines part: replicas of the real pages")
+    parser.add_argument("--engine-repeats", type=int, default=2, help="engines part: runs of each engine")
+    parser.add_argument("--engine-files", type=int, default=8, help="engines part: WET files they are spread over")
+    parser.add_argument("--datatrove-worker", nargs=2, metavar=("INPUT_DIR", "SCRATCH"), help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.datatrove_worker:
+        datatrove_worker(Path(args.datatrove_worker[0]), Path(args.datatrove_worker[1]), args.repeats)
+        return 0
+
+    from distlab import results  # noqa: PLC0415  this file also runs in the datatrove venv
+    from distlab.data.shards import ensure_tiktoken_cache  # noqa: PLC0415  this file also runs in the datatrove venv
+
+    parts = [part for part in args.parts.split(",") if part]
+    if not parts or set(parts) - set(PARTS):
+        parser.error(f"--parts takes {', '.join(PARTS)}, got {args.parts!r}")
+    ensure_tiktoken_cache()
+    try:
+        data = results.load("data_pipeline")
+    except FileNotFoundError:
+        data = {}
+    if data and "summaries" not in data:  # saved before the parts existed: it is the stages part
+        data["summaries"] = {"stages": (results.RESULTS_DIR / "data_pipeline.txt").read_text().rstrip()}
+        data["machines"] = {"stages": data.get("machine", {})}
+    data.setdefault("summaries", {})
+    data.setdefault("machines", {})
+    for part in parts:
+        scratch = Path(tempfile.mkdtemp(prefix=f"bench-data-{part}-"))
+        figures, summary = PARTS[part](args, scratch)
+        shutil.rmtree(scratch, ignore_errors=True)
+        if part == "stages":
+            data.update(figures)
+        else:
+            data[part] = figures
+        data["summaries"][part] = summary
+        data["machines"][part] = {**results.machine(), "ranks": 1 if part == "stages" else args.workers}
+        print(summary)
+    blocks = []
+    for part in PARTS:
+        if part in data["summaries"]:
+            when = data["machines"].get(part, {})
+            carried = "" if part in parts else f" (not re-measured: saved from the run of {when.get('date', '?')})"
+            blocks.append(f"[{part}]{carried} load average {when.get('load_average', '?')} on "
+                          f"{when.get('cpus', '?')} cores\n" + data["summaries"][part])
+    results.save("data_pipeline", data, "\n\n".join(blocks))
     return 0
 
 

@@ -17,7 +17,7 @@ from pathlib import Path
 from distlab.data.lineage import PurgeError, purge
 from distlab.data.mix import format_mix, mix_sources, parse_source
 from distlab.data.output import STATS_CSV, STATS_FILE, NotARunDirectory, RunDirectory
-from distlab.data.pipeline import PipelineConfig, run_pipeline
+from distlab.data.pipeline import ENGINES, PipelineConfig, run_pipeline
 from distlab.data.report import RunReport
 from distlab.data.samples import GENERATED_NOTICE, generate_sample
 from distlab.data.shards import DEFAULT_SHARD_TOKENS
@@ -37,7 +37,13 @@ def build_parser() -> argparse.ArgumentParser:
                               epilog=f"Real data (needs internet): {COMMON_CRAWL_EXAMPLE}")
     run.add_argument("inputs", nargs="+", help="WET (.warc.wet.gz) or WARC (.warc.gz) files")
     run.add_argument("--out", required=True, help="output directory (shards, lineage, stats)")
-    run.add_argument("--workers", type=int, default=1, help="processes over input files")
+    run.add_argument("--workers", type=int, default=1,
+                     help="processes over input files (with --engine ray and no --address: the CPUs of the local Ray)")
+    run.add_argument("--engine", choices=ENGINES, default="local",
+                     help="local: a process pool and one process for phase 2; ray: the same stages as Ray tasks "
+                          "(pip install ray), phase 2 as hash-partitioned steps")
+    run.add_argument("--address", help="with --engine ray: the Ray cluster to run on (e.g. 10.0.0.1:6379 or auto); "
+                                       "inputs and --out on a filesystem every node mounts. Default: start a local Ray")
     run.add_argument("--languages", default="en", help="comma-separated lid.176 codes to keep")
     run.add_argument("--language-threshold", type=float, default=0.65)
     run.add_argument("--toxicity", choices=SCORERS, default="page",
@@ -90,7 +96,8 @@ def _run(args) -> int:
                             language_threshold=args.language_threshold, dedup_threshold=args.dedup_threshold,
                             bands=args.bands, rows=args.rows, line_min_documents=args.line_min_docs,
                             shard_tokens=args.shard_tokens, **toxicity)
-    report = run_pipeline(args.inputs, args.out, config, workers=args.workers, progress=not args.no_progress)
+    report = run_pipeline(args.inputs, args.out, config, workers=args.workers, progress=not args.no_progress,
+                          engine=args.engine, address=args.address)
     print(report.table())
     print(f"stats: {RunDirectory(args.out).current() / STATS_FILE} (and {STATS_CSV})")
     return 0

@@ -84,6 +84,7 @@ class Deduper:
         self.threshold = threshold
         self.lsh = MinHashLSH(threshold=threshold, num_perm=num_perm, params=(bands, rows))
         self.kept: dict[str, LeanMinHash] = {}
+        self._position: dict[str, int] = {}  # doc_id -> order kept: a duplicate names the earliest kept match
         self._template = MinHash(num_perm=num_perm, seed=seed)
 
     def signature(self, text: str) -> LeanMinHash:
@@ -97,12 +98,16 @@ class Deduper:
                            scheme=self._template.scheme)
 
     def match(self, doc_id: str, sketch: LeanMinHash) -> str | None:
-        """Id of a kept document whose estimated Jaccard reaches the threshold; else keep this one."""
-        for candidate in self.lsh.query(sketch):
+        """Id of the earliest kept document whose estimated Jaccard reaches the threshold; else keep this one.
+
+        LSH answers a set, whose order changes with Python's string hashing from one process to the next: the
+        candidates are tried in the order they were kept, so every process (and every engine) names the same one."""
+        for candidate in sorted(self.lsh.query(sketch), key=self._position.__getitem__):
             if sketch.jaccard(self.kept[candidate]) >= self.threshold:
                 return candidate
         self.lsh.insert(doc_id, sketch)
         self.kept[doc_id] = sketch
+        self._position[doc_id] = len(self._position)
         return None
 
     def is_duplicate(self, doc_id: str, text: str) -> bool:

@@ -93,9 +93,17 @@ class LineDedup(Stage):
         self.repeated: set | None = None
 
     def fit(self, docs: Iterable[Document]) -> "LineDedup":
-        frequencies = document_frequencies(doc.text for doc in docs)
-        self.repeated = {key for key, count in frequencies.items() if count >= self.min_documents}
-        self.stats.counters["repeated_lines"] = len(self.repeated)
+        return self.use(self.repeated_lines(document_frequencies(doc.text for doc in docs)))
+
+    def repeated_lines(self, frequencies: Counter) -> set:
+        """The lines of ``frequencies`` (line -> documents it occurs in) that this stage removes. A distributed
+        engine counts the corpus in hash partitions and asks each partition's counts in turn."""
+        return {key for key, count in frequencies.items() if count >= self.min_documents}
+
+    def use(self, repeated: set) -> "LineDedup":
+        """Remove these lines (what :meth:`fit` found, or the union of partitions' :meth:`repeated_lines`)."""
+        self.repeated = repeated
+        self.stats.counters["repeated_lines"] = len(repeated)
         return self
 
     def process(self, doc: Document) -> Outcome:

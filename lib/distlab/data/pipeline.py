@@ -15,6 +15,12 @@ Two phases, like datatrove's multi-step FineWeb recipe:
    generation of the output directory and commits it with one atomic rename
    (:mod:`distlab.data.output`): a run killed here leaves the previous run intact.
 
+Two engines run these phases with the same stage objects and give the same answer: the local one
+(:class:`LocalEngine`: a process pool for phase 1, phase 2 in this process) and Ray
+(:mod:`distlab.data.ray_engine`: tasks per file, phase 2 as hash-partitioned steps), chosen by
+``run_pipeline(engine=...)``. Both hand phase 2's outcome over as a :class:`Selection`, from which this module
+writes the generation.
+
 After every run ``documents in == kept + sum(rejected by reason)`` is checked.
 Everything that can be checked before work starts (inputs, output directory,
 configuration) is, with a one-line error.
@@ -30,7 +36,7 @@ from collections import Counter
 from dataclasses import asdict, dataclass
 from functools import partial
 from pathlib import Path
-from typing import Iterator, Sequence
+from typing import Iterable, Iterator, Sequence
 
 from tqdm.auto import tqdm
 
@@ -174,12 +180,32 @@ def check_inputs(inputs: Sequence) -> list[Path]:
     return unique
 
 
-def run_pipeline(inputs: Sequence, out_dir, config: PipelineConfig | None = None, workers: int = 1,
-                 progress: bool = False) -> RunReport:
-    """Run both phases over WET/WARC ``inputs`` into ``out_dir``; returns the checked report."""
+ENGINES = ("local", "ray")
+
+
+def run_pipeline(inputs, out_dir, config: PipelineConfig | None = None, workers: int = 1,
+                 progress: bool = False, engine: str = "local", address: str | None = None) -> RunReport:
+    """Run both phases over WET/WARC ``inputs`` into ``out_dir``; returns the checked report.
+
+    ``engine="ray"`` runs the same stages as Ray tasks (:mod:`distlab.data.ray_engine`) on the cluster at
+    ``address``, or on a Ray instance it starts on this machine with ``workers`` CPUs; the answer is the same."""
     config = (config or PipelineConfig()).validate()
     if workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
+    if engine not in ENGINES:
+        raise ValueError(f"unknown engine {engine!r}: choose one of {', '.join(ENGINES)}")
+    if address and engine != "ray":
+        raise ValueError("--address names a Ray cluster: give it with --engine ray")
+    if engine == "ray":
+        try:
+            from distlab.data.ray_engine import RayEngine  # noqa: PLC0415  Ray is optional: imported only when chosen
+        except ModuleNotFoundError as missing:
+            if missing.name != "ray":
+                raise
+            raise ValueError('--engine ray needs Ray: pip install "distlab[ray]" (or pip install ray)') from None
+        runner = RayEngine(workers, address)
+    else:
+        runner = LocalEngine(workers)
     paths = check_inputs(inputs)
     run = RunDirectory(out_dir)
     run.check_writable()
@@ -190,10 +216,12 @@ def run_pipeline(inputs: Sequence, out_dir, config: PipelineConfig | None = None
 
     summaries = {path: _finished_summary(path, work_root, config) for path in paths}
     pending = [path for path, summary in summaries.items() if summary is None]
-    for path, summary in zip(pending, _run_phase_one(pending, work_root, config, workers, progress)):
-        summaries[path] = summary
-
-    report, staging, manifest = _run_phase_two(paths, work_root, run, config, summaries)
+    with runner:
+        for path, summary in zip(pending, runner.phase_one(pending, work_root, config, progress)):
+            summaries[path] = summary
+        rules = PurgeRules.from_json((run.manifest() or {}).get("purges"))
+        selection = runner.phase_two(paths, work_root, config, rules)
+        report, staging, manifest = _write_generation(paths, work_root, run, config, summaries, rules, selection)
     report.files_processed, report.files_resumed = len(pending), len(paths) - len(pending)
     report.wall_seconds = time.perf_counter() - started
     report.check_balance()
@@ -202,57 +230,106 @@ def run_pipeline(inputs: Sequence, out_dir, config: PipelineConfig | None = None
     return report
 
 
-def _run_phase_one(pending: list[Path], work_root: Path, config: PipelineConfig, workers: int,
-                   progress: bool) -> Iterator[dict]:
-    """Summaries of ``pending`` in order; in a process pool when workers > 1."""
-    job = partial(process_file, work_root=str(work_root), config=config)
-    bar = tqdm(total=len(pending), desc="input files", unit="file", disable=not progress)
-    if workers <= 1 or len(pending) <= 1:
-        for path in pending:
-            yield job(str(path))
-            bar.update()
-    else:
-        context = multiprocessing.get_context("spawn")  # no fork of a threaded parent (notebooks, tiktoken)
-        with context.Pool(min(workers, len(pending))) as pool:
-            for summary in pool.imap(job, [str(path) for path in pending]):
+@dataclass
+class Selection:
+    """What phase 2 decided, in the engine-independent form the output is written from.
+
+    ``documents``: (document, token span) for every survivor in input order (the document's text may be dropped:
+    lineage needs only its fields), perhaps a generator that fetches them as the writer goes; the other fields are
+    complete once it is consumed. ``rejected_rows``: phase 2's rejections in the order the local engine meets them
+    (record id and URL in input order, near dedup in crawl order, line dedup and purge in input order), the
+    canonical order of ``rejected.jsonl``; ``stages``: the stats of phase 2's stages.
+    """
+
+    documents: Iterable
+    rejected_rows: list
+    rejected: Counter
+    stages: list
+    tokenize_seconds: float
+
+
+def crawl_order(docs: Sequence[Document]) -> list[int]:
+    """Indices of ``docs`` earliest-crawled first, ties in input order: the order near dedup sees them in.
+
+    Near dedup keeps the first member of a cluster it sees, and a mirror copies a page after it is published."""
+    return sorted(range(len(docs)), key=lambda i: (not docs[i].date, docs[i].date, i))
+
+
+def near_dedup(docs: Sequence[Document], stage: NearDedup, ledger: Ledger) -> list[Document]:
+    """Run ``stage`` over ``docs`` (in input order) in crawl order; the survivors, back in input order."""
+    survivors = {id(doc) for doc in run_stages((docs[i] for i in crawl_order(docs)), [stage], ledger)}
+    return [doc for doc in docs if id(doc) in survivors]
+
+
+class LocalEngine:
+    """Phase 1 in a process pool over input files, phase 2 in this process."""
+
+    def __init__(self, workers: int = 1) -> None:
+        self.workers = workers
+
+    def __enter__(self) -> "LocalEngine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        return None
+
+    def phase_one(self, pending: list[Path], work_root: Path, config: PipelineConfig,
+                  progress: bool) -> Iterator[dict]:
+        """Summaries of ``pending`` in order; in a process pool when workers > 1."""
+        job = partial(process_file, work_root=str(work_root), config=config)
+        bar = tqdm(total=len(pending), desc="input files", unit="file", disable=not progress)
+        if self.workers <= 1 or len(pending) <= 1:
+            for path in pending:
+                yield job(str(path))
                 bar.update()
-                yield summary
-    bar.close()
+        else:
+            context = multiprocessing.get_context("spawn")  # no fork of a threaded parent (notebooks, tiktoken)
+            with context.Pool(min(self.workers, len(pending))) as pool:
+                for summary in pool.imap(job, [str(path) for path in pending]):
+                    bar.update()
+                    yield summary
+        bar.close()
+
+    def phase_two(self, paths: list[Path], work_root: Path, config: PipelineConfig, rules: PurgeRules) -> Selection:
+        """The corpus-level stages over the stored phase-1 results, all in memory, in input order."""
+        ledger = Ledger()
+        exact_dedup = [RecordIdDedup(), UrlDedup()]
+        exact = list(run_stages(stored_documents(paths, work_root), exact_dedup, ledger))
+        near = NearDedup(config.deduper())
+        distinct = near_dedup(exact, near, ledger)
+        line_dedup = LineDedup(config.line_min_documents, config.quality.min_words)
+        start = time.perf_counter()
+        line_dedup.fit(distinct)
+        line_dedup.stats.seconds += time.perf_counter() - start
+        purge_filter = PurgeFilter(rules)
+        kept = list(run_stages(distinct, [line_dedup, purge_filter], ledger))
+        start = time.perf_counter()
+        spans = encode_documents([doc.text for doc in kept])
+        return Selection(zip(kept, spans), ledger.rows, ledger.rejected,
+                         [stage.stats for stage in [*exact_dedup, near, line_dedup, purge_filter]],
+                         time.perf_counter() - start)
 
 
-def _stored_documents(paths: list[Path], work_root: Path) -> Iterator[Document]:
+def stored_documents(paths: list[Path], work_root: Path) -> Iterator[Document]:
     """Phase-1 survivors with their text; the MinHash signature rides in ``meta``."""
     for path in paths:
-        for row in read_jsonl(work_root / _file_key(path) / "kept.jsonl"):
-            yield Document(row["id"], row["text"], row["url"], row["date"], row["source"], row["meta"])
+        yield from file_documents(path, work_root)
 
 
-def _run_phase_two(paths: list[Path], work_root: Path, run: RunDirectory, config: PipelineConfig,
-                   summaries: dict) -> tuple[RunReport, Path, dict]:
-    """The corpus-level stages into a new, uncommitted generation: (report, its directory, its manifest)."""
-    ledger = Ledger()
-    manifest = run.manifest() or {}
-    rules = PurgeRules.from_json(manifest.get("purges"))
-    document_dedup = [RecordIdDedup(), UrlDedup(), NearDedup(config.deduper())]
-    exact = list(run_stages(_stored_documents(paths, work_root), document_dedup[:2], ledger))
-    # Near-dedup keeps the first member of a cluster it sees: show it the earliest-crawled first (a mirror copies
-    # a page after it is published; input order breaks ties), then put the survivors back in input order.
-    crawl_order = sorted(range(len(exact)), key=lambda i: (not exact[i].date, exact[i].date, i))
-    survivors = {id(doc) for doc in run_stages((exact[i] for i in crawl_order), document_dedup[2:], ledger)}
-    distinct = [doc for doc in exact if id(doc) in survivors]
-    line_dedup = LineDedup(config.line_min_documents, config.quality.min_words)
-    start = time.perf_counter()
-    line_dedup.fit(distinct)
-    line_dedup.stats.seconds += time.perf_counter() - start
-    purge_filter = PurgeFilter(rules)
-    kept = list(run_stages(distinct, [line_dedup, purge_filter], ledger))
+def file_documents(path: Path, work_root: Path) -> Iterator[Document]:
+    """The phase-1 survivors of one input file."""
+    for row in read_jsonl(work_root / _file_key(path) / "kept.jsonl"):
+        yield Document(row["id"], row["text"], row["url"], row["date"], row["source"], row["meta"])
 
+
+def _write_generation(paths: list[Path], work_root: Path, run: RunDirectory, config: PipelineConfig,
+                      summaries: dict, rules: PurgeRules, selection: Selection) -> tuple[RunReport, Path, dict]:
+    """Shards, lineage, rejections and stats of a selection into a new, uncommitted generation."""
     staging = run.begin()
-    tokenize = StageStats("tokenize", docs_in=len(kept), docs_out=len(kept))
     start = time.perf_counter()
     writer = ShardWriter(staging / SHARD_DIR, config.shard_tokens)
     lineage = []
-    for doc, span in zip(kept, encode_documents([doc.text for doc in kept])):
+    for doc, span in selection.documents:
         shard, offset = writer.add(doc.id, span)
         lineage.append({"id": doc.id, "url": doc.url, "date": doc.date, "source": doc.source,
                         "hash_before": doc.meta["hash_before"], "hash_after": doc.meta["hash_after"],
@@ -260,21 +337,21 @@ def _run_phase_two(paths: list[Path], work_root: Path, run: RunDirectory, config
                         "lines_removed": doc.meta.get("lines_removed", 0),
                         "shard": shard, "offset": offset, "length": len(span)})
     written = writer.close()
-    tokenize.seconds = time.perf_counter() - start
+    tokenize = StageStats("tokenize", docs_in=len(lineage), docs_out=len(lineage),
+                          seconds=selection.tokenize_seconds + time.perf_counter() - start)
 
     rejected_rows = [row for path in paths for row in read_jsonl(work_root / _file_key(path) / REJECTED_FILE)]
     write_jsonl(staging / LINEAGE_FILE, lineage)
-    write_jsonl(staging / REJECTED_FILE, rejected_rows + ledger.rows)
+    write_jsonl(staging / REJECTED_FILE, rejected_rows + selection.rejected_rows)
 
     stages: dict[str, StageStats] = {name: StageStats(name) for name in STAGE_ORDER}
     for summary in summaries.values():
         for row in summary["stages"]:
             stages[row["name"]].merge(StageStats.from_json(row))
-    for stage in [*document_dedup, line_dedup, purge_filter]:
-        stages[stage.name].merge(stage.stats)
-    stages["tokenize"].merge(tokenize)
+    for stats in [*selection.stages, tokenize]:
+        stages[stats.name].merge(stats)
 
-    rejected = sum((Counter(s["rejected"]) for s in summaries.values()), Counter()) + ledger.rejected
+    rejected = sum((Counter(s["rejected"]) for s in summaries.values()), Counter()) + selection.rejected
     warnings = [warning for path in paths for warning in summaries[path].get("warnings", [])]
     documents_in = sum(s["documents_in"] for s in summaries.values())
     if documents_in == 0:
