@@ -51,6 +51,7 @@ from distlab.data.urls import RecordIdDedup, UrlDedup, normalize_url
 # A worker killed mid-file (OOM killer, a lost node) is a system failure: Ray runs the task again this many times.
 TASK_RETRIES = 3
 
+
 def _partition(key: str, parts: int) -> int:
     """A hash every process agrees on (Python's ``hash`` of a string changes from one process to the next)."""
     return zlib.crc32(key.encode("utf-8", "surrogatepass")) % parts
