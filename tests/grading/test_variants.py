@@ -79,6 +79,11 @@ ANSWERS = {
     "Q10.5": lambda trillions: trillions * 2,
     "Q12.2": lambda stall: math.sqrt(2 * stall * 54 * 24 / 419 * 3600) / 60,
     "Q12.7": lambda saved, loaded: saved / loaded,
+    "Q13.1": lambda steps, batch, seq_len: steps * batch * seq_len,
+    "Q13.2": lambda pp, m: (pp - 1) / (m + pp - 1),
+    "Q13.3": lambda step, every: step % every,  # the relaunch loads the checkpoint of the last multiple of every
+    "Q13.4": lambda params, dp: params * 8 / dp,  # fp32 Adam: two 4-byte moments, sharded over DP by ZeRO-1
+    "Q13.5": lambda mb, ranks: 2 * (ranks - 1) / ranks * mb * 1e6,
 }
 VARIED = {i: e for i, e in all_exercises().items() if e.variation is not None}
 

@@ -1,0 +1,46 @@
+"""The capstone: raw Common Crawl to a trained model on every parallelism at once, surviving a killed rank, with
+every prediction checked.
+
+Each earlier lab proves one idea alone; a real run needs them together, and most of what goes wrong lives at the
+joins: a loader that repeats tokens after a restart, a gradient norm counted once per TP rank, a planner's
+prediction nobody compared with the clock. This package holds only those joins; every piece it joins is imported
+from the topic that teaches it.
+
+- ``train``: the end-to-end worker (``python -m distlab.torchrun distlab.capstone:train train_path=…``) on a
+  DP × PP × TP grid (lab 11) with ZeRO-1 (lab 04), real tokens (lab 10,
+  :mod:`distlab.data.loader`), AdamW with warm-up, cosine decay and clipping, and lab 12's checkpoints
+- ``report``: the run card — each measured figure beside the planner's prediction, with the ratio, and the term
+  responsible where they disagree
+"""
+
+from distlab.capstone.report import (
+    OFF_BY,
+    RunCard,
+    card_rows,
+    derive_report,
+    measure_cluster,
+    measured_terms,
+    predicted_terms,
+    responsible_term,
+    runnable,
+    runnable_best,
+)
+from distlab.capstone.train import (
+    GridTrainState,
+    capstone_worker,
+    checkpoint_weights,
+    clip_global_norm,
+    dense_state,
+    evaluate,
+    lr_at,
+    reference_losses,
+    replica_losses,
+    resume_from_latest,
+    train,
+)
+
+__all__ = ["GridTrainState", "capstone_worker", "checkpoint_weights", "clip_global_norm", "dense_state", "evaluate",
+           "lr_at",
+           "reference_losses", "replica_losses", "resume_from_latest", "RunCard", "card_rows", "derive_report",
+           "predicted_terms", "runnable_best", "OFF_BY", "measure_cluster", "measured_terms", "responsible_term",
+           "runnable", "train"]
