@@ -1,5 +1,6 @@
 """The parallelism planner: published layouts, infeasible ones with their reasons, and the seeds' arithmetic."""
 
+import re
 from dataclasses import replace
 
 import pytest
@@ -175,3 +176,12 @@ def test_tp_groups_that_straddle_a_node_boundary_are_rejected():
     assert any("TP 4 spans 2 nodes" in r for r in straddling.reasons), straddling.reasons  # ranks 4-7 cross 5|6
     inside = estimate(ModelShape.from_preset("70B"), six_per_node, Layout(dp=4, tp=6, zero=3, m=1), 4)
     assert not any("spans" in r for r in inside.reasons), inside.reasons
+
+
+def test_a_budget_below_a_gigabyte_is_said_in_megabytes_not_as_zero_gigabytes():
+    """Lab 13 plans CPU ranks against an 8 MB budget: whole GB would print every figure of the reason as 0."""
+    tiny = ModelShape.from_config(GPTConfig(vocab_size=512, seq_len=64, n_layer=4, n_head=4, d_model=64), "toy")
+    cpu = Cluster("4 CPU ranks", 4, gpus_per_node=4, hbm_bytes=1e6, peak_flops=5e10)
+    (reason,) = [r for r in estimate(tiny, cpu, Layout(dp=4, m=2), 8).reasons if "usable" in r]
+    assert re.fullmatch(r"needs [\d.]+ MB per GPU \([\d.]+ MB states \+ [\d.]+ MB activations\), over the 0\.90 MB "
+                        r"usable of 1\.00 MB HBM", reason), reason

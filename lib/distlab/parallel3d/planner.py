@@ -340,6 +340,14 @@ def _check(model: ModelShape, cluster: Cluster, layout: Layout, global_batch: in
     return reasons
 
 
+def _sizes_of(cluster: Cluster):
+    """Memory in the unit of the cluster's HBM, so one line compares like with like: whole GB on GPUs, MB with two
+    decimals for a budget below a GB (lab 13's CPU ranks), where whole GB would print every figure as 0."""
+    if cluster.hbm_bytes >= GB:
+        return lambda n: f"{n / GB:.0f} GB"
+    return lambda n: f"{n / 1e6:.2f} MB"
+
+
 def estimate(model: ModelShape, cluster: Cluster, layout: Layout, global_batch: int,
              matmul_efficiency: float = 0.7, headroom: float = 0.1, precision: str = "mixed",
              overlap_cost: float = OVERLAP_COST) -> Estimate:
@@ -377,9 +385,10 @@ def estimate(model: ModelShape, cluster: Cluster, layout: Layout, global_batch: 
     est.memory["total"] = est.memory["states"] + est.memory["activations"]
     usable = cluster.hbm_bytes * (1 - headroom)
     if est.memory["total"] > usable:
-        est.reasons.append(f"needs {est.memory['total'] / GB:.0f} GB per GPU ({est.memory['states'] / GB:.0f} GB "
-                           f"states + {est.memory['activations'] / GB:.0f} GB activations), over the "
-                           f"{usable / GB:.0f} GB usable of {cluster.hbm_bytes / GB:.0f} GB HBM")
+        size = _sizes_of(cluster)
+        est.reasons.append(f"needs {size(est.memory['total'])} per GPU ({size(est.memory['states'])} states + "
+                           f"{size(est.memory['activations'])} activations), over the {size(usable)} usable of "
+                           f"{size(cluster.hbm_bytes)} HBM")
     # time
     tokens = global_batch * model.seq_len
     flops = model.flops_per_token * tokens
