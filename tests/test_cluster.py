@@ -33,6 +33,7 @@ import distlab
 from cluster_jobs import SIZES
 from distlab import data_parallel, fault_tolerance, moe
 from distlab.cli import main as distlab_main
+from distlab.data.tokens import write_token_bin
 from distlab.fault_tolerance import MetricsLog, list_checkpoints, read_checkpoint, verify_checkpoint
 from distlab.flops import StepReport
 from distlab.model import GPTConfig, synthetic_batch
@@ -129,6 +130,7 @@ CHAPTER_COMMANDS = {
     "distlab plan --model 70B": "test_distlab_plan_prints_what_the_chapter_shows",
     "kill_rank=1 kill_step=5": "test_a_killed_rank_is_restarted_and_the_losses_continue_bit_for_bit",
     "--nproc-per-node=1": "test_a_killed_rank_is_restarted_and_the_losses_continue_bit_for_bit",
+    "distlab.capstone:train": "test_the_capstone_worker_trains_under_torchrun_and_checkpoints",
     "--nnodes=1:2": "test_a_lost_node_shrinks_the_job_to_the_other_which_resumes_from_the_resharded_checkpoint",
 }
 
@@ -248,6 +250,18 @@ def test_rank_0_prints_a_line_per_step_and_a_summary(two_nodes):
                          outputs[rank0]), tag
         assert f"[{tag}] step" not in outputs[1 - rank0]  # the other agent's ranks print no steps
     assert 0 < runs[0]["ddp"]["mfu"] < 1 and all(r["ddp"]["mfu"] is None for r in runs[1:])  # rank 0 measured
+
+
+def test_the_capstone_worker_trains_under_torchrun_and_checkpoints(tmp_path):
+    tokens = torch.randint(0, 500, (8192,), generator=torch.Generator().manual_seed(0))
+    write_token_bin(tokens, tmp_path / "train.bin")
+    (code, output), = run_together([["bash", "-c", chapter_command("distlab.capstone:train")]], tmp_path)
+    assert code == 0, output[-3000:]
+    steps = re.findall(r"\[capstone dp2·pp1·tp1\] step (\d+)/4  loss [\d.]+  [\d,]+ tokens/s", output)
+    assert steps == ["1", "2", "3", "4"] and "[capstone dp2·pp1·tp1] done: 4 steps" in output, output[-3000:]
+    assert [step for step, _ in list_checkpoints(tmp_path / "capstone_ckpt")] == [2, 4]
+    results = [ast.literal_eval(line.split("] ", 1)[1]) for line in output.splitlines() if line.startswith("[rank ")]
+    assert len(results) == 2 and results[0]["losses"] == results[1]["losses"]  # the global batch's loss, everywhere
 
 
 # ---------------------------------------------------------------- arguments that cannot work
