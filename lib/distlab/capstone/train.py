@@ -31,6 +31,7 @@ from typing import Callable
 import numpy as np
 import torch
 import torch.distributed as dist
+import torch.nn as nn
 
 from distlab.data.loader import ResumableTokenLoader, compact_vocabulary
 from distlab.data_parallel import allreduce_buckets
@@ -44,6 +45,7 @@ from distlab.fault_tolerance.checkpoint import (
 from distlab.fault_tolerance.faults import Fault
 from distlab.fault_tolerance.resume import MetricsLog
 from distlab.flops import step_report
+from distlab.fp8 import Float8Linear, convert_to_float8, scaled_mm_support
 from distlab.model import GPT, GPTConfig
 from distlab.parallel3d.grid import Grid, check_3d_setup, process_groups
 from distlab.pipeline_parallel import StageModule, even_partition, make_schedule, run_schedule
@@ -53,6 +55,7 @@ from distlab.runtime.rank import device
 from distlab.runtime.timeline import span
 from distlab.tensor_parallel import TensorParallelGPT, shard_of, vocab_parallel_cross_entropy
 from distlab.tensor_parallel.gpt import is_replicated
+from distlab.tensor_parallel.layers import ColumnParallelLinear, RowParallelLinear
 from distlab.zero.flat import Axis
 from distlab.zero.optim import ShardedOptimizer
 
@@ -184,6 +187,33 @@ def _sharded_gradients(optimizer: ShardedOptimizer, names: dict[int, str], tp: i
     return out
 
 
+def _float8_stage(stage: StageModule) -> list[str]:
+    """Lab 09's :func:`~distlab.fp8.convert_to_float8` on a ``tp == 1`` stage; the names of the layers swapped.
+
+    The stage's linears are lab 05's :class:`~distlab.tensor_parallel.ColumnParallelLinear` and
+    :class:`~distlab.tensor_parallel.RowParallelLinear`, not ``nn.Linear``: their matmul is an ``F.linear``
+    between the TP collectives, so the swap would find nothing. With one TP rank those collectives are identities
+    and each layer *is* an ``nn.Linear``: it is replaced by one holding the same parameters (same names, so
+    checkpoints and the optimizer are unchanged), which lab 09's swap then turns into a
+    :class:`~distlab.fp8.Float8Linear` — except the output head, which lab 09 keeps out of FP8."""
+    for module in list(stage.modules()):
+        for name, child in list(module.named_children()):
+            if isinstance(child, (ColumnParallelLinear, RowParallelLinear)):
+                linear = nn.Linear(child.in_features, child.out_features, bias=child.bias is not None, device="meta")
+                linear.weight, linear.bias = child.weight, child.bias
+                setattr(module, name, linear)
+    return convert_to_float8(stage)
+
+
+def _fp8_ran(stage: nn.Module, dev: torch.device) -> str:
+    """``"fp8 (native)"`` when every FP8 matmul ran on FP8 tensor cores, else ``"fp8 (emulated)"``: a CPU has no
+    FP8 units (its ``torch._scaled_mm`` dequantises internally), nor a GPU below compute capability 8.9, and a
+    layer whose shape cuBLASLt refuses noted that it was emulated (:func:`~distlab.fp8.fp8_matmul`)."""
+    emulated = any(m.notes for m in stage.modules() if isinstance(m, Float8Linear))
+    native = dev.type == "cuda" and scaled_mm_support(dev).tensorwise and not emulated
+    return f"fp8 ({'native' if native else 'emulated'})"
+
+
 def capstone_worker(ckpt_dir: str, *, attempt: int = 0, fault: Fault | None = None, cfg: GPTConfig, dp: int,
                     pp: int, tp: int, m: int, batch_size: int, steps: int, train_path: str,
                     mapping: np.ndarray | None = None, lr: float = 3e-3, warmup: int = 5, save_every: int = 10,
@@ -205,16 +235,26 @@ def capstone_worker(ckpt_dir: str, *, attempt: int = 0, fault: Fault | None = No
     ``precision``: ``"fp32"``; ``"bf16"``, the forward and backward under ``torch.autocast`` in bfloat16 (weights,
     gradients, Adam and every reduction stay fp32: gloo has no bf16 reduction for every op, and the stages still
     exchange fp32 activations); or ``"auto"``, bf16 where the rank's device computes it natively (a GPU of
-    compute capability 8.0+; a T4 has fp16 only, a CPU emulates it slowly) and fp32 elsewhere. ``precision`` in
-    the result says what ran.
+    compute capability 8.0+; a T4 has fp16 only, a CPU emulates it slowly) and fp32 elsewhere; or ``"fp8"``,
+    lab 09's :class:`~distlab.fp8.Float8Linear` in place of every linear of the stage's blocks (E4M3 operands
+    forward, E5M2 gradients, a fresh per-tensor scale each; the output head and everything else in fp32, with the
+    same fp32 weights, gradients, Adam and reductions), run by ``torch._scaled_mm`` on FP8 tensor cores (compute
+    capability 8.9+) and emulated elsewhere (a T4 or an A100 dequantise and multiply in fp32; a CPU's
+    ``torch._scaled_mm`` does the same inside) — :func:`~distlab.fp8.fp8_matmul`'s ``path="auto"``. ``"fp8"``
+    needs ``tp == 1``: the TP layers multiply with ``F.linear`` between their collectives, where lab 09's module
+    swap cannot reach (:func:`_float8_stage`). ``precision`` in the result says what ran (``"fp8 (emulated)"``,
+    ``"fp8 (native)"``), and ``fp8_layers`` names the layers converted.
     """
+    if precision not in ("fp32", "bf16", "auto", "fp8"):
+        raise ValueError(f"precision={precision!r}: choose 'fp32', 'bf16', 'fp8' or 'auto'")
+    if precision == "fp8" and tp > 1:
+        raise ValueError(f"precision='fp8' needs tp=1, got tp={tp}: the tensor-parallel layers multiply with F.linear "
+                         f"between their collectives, which lab 09's Float8Linear swap does not reach")
     grid = Grid(dp, pp, tp)
     world, rank = dist.get_world_size(), dist.get_rank()
     check_3d_setup(cfg, grid, m, batch_size, world, zero=zero)
     if save_every < 1:
         raise ValueError(f"save_every={save_every} must be at least 1 step")
-    if precision not in ("fp32", "bf16", "auto"):
-        raise ValueError(f"precision={precision!r}: choose 'fp32', 'bf16' or 'auto'")
     dev = device()
     native_bf16 = dev.type == "cuda" and torch.cuda.is_bf16_supported()
     if precision == "bf16" and dev.type == "cuda" and not native_bf16:
@@ -226,6 +266,7 @@ def capstone_worker(ckpt_dir: str, *, attempt: int = 0, fault: Fault | None = No
     d, s = groups.coords["dp"], groups.coords["pp"]
     stage = StageModule(TensorParallelGPT(GPT(cfg, seed=seed).to(dev), groups.tp), even_partition(cfg.n_layer, pp)[s],
                         s == 0, s == pp - 1)
+    fp8_layers = _float8_stage(stage) if precision == "fp8" else []
     named = list(stage.named_parameters())
     params = [p for _, p in named]
     if zero:
@@ -243,7 +284,7 @@ def capstone_worker(ckpt_dir: str, *, attempt: int = 0, fault: Fault | None = No
         return vocab_parallel_cross_entropy(local_logits, targets, groups.tp)
 
     out = {"rank": rank, "coords": groups.coords, "start": start, "losses": {}, "step_times": {}, "bytes": {},
-           "norms": {}, "precision": precision}
+           "norms": {}, "precision": precision, "fp8_layers": fp8_layers}
     pending, grad_bytes = None, 0
     for step in range(start, steps):
         if fault is not None:
@@ -300,6 +341,8 @@ def capstone_worker(ckpt_dir: str, *, attempt: int = 0, fault: Fault | None = No
                 save_checkpoint(state.checkpoint, ckpt_dir, step + 1, fault=fault)
     if pending is not None:
         pending.wait()
+    if precision == "fp8":
+        out["precision"] = _fp8_ran(stage, dev)
     inner = optimizer.optim if zero else optimizer
     out["memory"] = {"params": sum(p.numel() * p.element_size() for p in params),
                      "grads": grad_bytes,
