@@ -70,9 +70,18 @@ def test_every_command_in_the_guide_runs_as_written(scratch_class, no_leftover_r
                                       f"{done.stdout[-3000:]}\n{done.stderr[-3000:]}")
         if "--changed" in command:
             regrade = done
+        elif "--json grades.json" in command:
+            first = done
+    # The first grading: lab 00's real notebooks, correct (alice, the solution), blank (bob, the generated lab) and
+    # wrong (carol, exercise 0.2 returning the sum), graded together, each marked for what it is.
     report = json.loads((scratch_class / "grades.json").read_text())
-    passed = {n["student"]: n["passed"] for n in report["notebooks"]}
-    assert passed == {"alice": True, "bob": False, "carol": False}, passed
+    by = {n["student"]: n for n in report["notebooks"]}
+    assert {s: n["passed"] for s, n in by.items()} == {"alice": True, "bob": False, "carol": False}, by
+    assert by["alice"]["rank"] == 1 and by["alice"]["cell_errors"] == [] and report["notebooks_passed"] == 1
+    assert {e["status"] for e in by["bob"]["exercises"]} == {"not attempted"} and by["bob"]["error"] is None
+    failed = {e["id"]: e for e in by["carol"]["exercises"] if e["status"] == "failed"}
+    assert list(failed) == ["0.2"] and "divide by the world size" in failed["0.2"]["detail"]
+    assert "carol  0.2: rank 0, element 0" in first.stdout, first.stdout[-2000:]
     term = json.loads((scratch_class / "term.json").read_text())
     by = {n["student"]: n for n in term["notebooks"]}
     assert {s: (n["passed"], n["reused"], n["late"]) for s, n in by.items()} == {
