@@ -37,6 +37,13 @@ def wrong_lab(name: str, exercise_id: str, mistakes: dict[str, str]) -> nbformat
     return make_lab(solution, name)
 
 
+def exercise_cells(name: str, exercises) -> dict[str, str]:
+    """The source of the cell of ``solutions/<name>`` that holds each exercise's solution block, by exercise id."""
+    cells = nbformat.read(REPO / "solutions" / name, as_version=4).cells
+    return {exercise: next(c.source for c in cells if c.cell_type == "code" and f"# BEGIN SOLUTION {exercise}\n"
+                           in c.source) for exercise in exercises}
+
+
 def solution_namespace(name: str, lab: int) -> dict:
     """The solution notebook's import lines and every cell holding one of lab ``lab``'s exercises, run in a fresh
     namespace (as a kernel's globals): the right answers, exactly as the notebook writes them."""

@@ -8,28 +8,18 @@ before and after), so each row is exactly one mistake, and the right answer pass
 import re
 from pathlib import Path
 
-import nbformat
 import pytest
 
 import distlab
 from distlab.grading import lab06
-from wrong_answers import demo_output
+from wrong_answers import demo_output, exercise_cells
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_thread")]
 
 NOTEBOOK = Path(__file__).resolve().parents[2] / "solutions" / "06_pipeline_parallel.ipynb"
 ANSWERS = {"6.1": ("even_partition", "balanced_partition"), "6.2": ("gpipe", "one_f_one_b"),
            "6.3": ("interleaved_1f1b",), "6.4": ("execute",), "6.5": ("zero_bubble_h1",)}
-
-
-def exercise_cells() -> dict[str, str]:
-    """The source of each exercise's cell, by exercise id."""
-    cells = nbformat.read(NOTEBOOK, as_version=4).cells
-    return {exercise: next(c.source for c in cells if c.cell_type == "code" and f"# BEGIN SOLUTION {exercise}"
-                           in c.source) for exercise in ANSWERS}
-
-
-CELLS = exercise_cells()
+CELLS = exercise_cells("06_pipeline_parallel.ipynb", ANSWERS)
 IMPORTS = ("import torch\nimport distlab\nfrom distlab.pipeline_parallel import Action, with_p2p, channels, lm_loss, "
            "format_schedule, validate, simulate, interleaved_bubble_fraction, peak_in_flight\n")
 

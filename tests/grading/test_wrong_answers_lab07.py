@@ -8,11 +8,10 @@ before and after), so each row is exactly one mistake, and the right answer pass
 import re
 from pathlib import Path
 
-import nbformat
 import pytest
 
 import distlab
-from wrong_answers import demo_output
+from wrong_answers import demo_output, exercise_cells
 
 pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_thread")]
 
@@ -23,16 +22,7 @@ ANSWERS = {"7.1": ("online_softmax_attention",), "7.2": ("merge_partials", "bloc
 IMPORTS = ("import math\nimport torch\nimport torch.distributed as dist\nimport torch.nn.functional as F\n"
            "from distlab.context_parallel import (attention_block, attention_block_backward, layout_positions, "
            "merge_attention, ring_attention_forward, ring_pass)\n")
-
-
-def exercise_cells() -> dict[str, str]:
-    """The source of each exercise's cell, by exercise id."""
-    cells = nbformat.read(NOTEBOOK, as_version=4).cells
-    return {exercise: next(c.source for c in cells if c.cell_type == "code" and f"# BEGIN SOLUTION {exercise}"
-                           in c.source) for exercise in ANSWERS}
-
-
-CELLS = exercise_cells()
+CELLS = exercise_cells("07_ring_attention.ipynb", ANSWERS)
 
 
 def answer(exercise: str, *changes: tuple[str, str]) -> list:

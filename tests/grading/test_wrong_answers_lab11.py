@@ -8,29 +8,18 @@ to one never fails another.
 """
 
 import re
-from pathlib import Path
 
-import nbformat
 import pytest
 
 import distlab
 from distlab.grading import lab11
+from wrong_answers import exercise_cells
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("one_thread")]
 
-NOTEBOOK = Path(__file__).resolve().parents[2] / "solutions" / "11_3d_parallelism.ipynb"
 ANSWERS = {"11.1": "grid_groups", "11.2": "sync_gradients", "11.3": "model_flops_utilization",
            "11.4": "predicted_bytes"}
-
-
-def exercise_cells() -> dict[str, str]:
-    """The source of each exercise's cell, by exercise id."""
-    cells = nbformat.read(NOTEBOOK, as_version=4).cells
-    return {exercise: next(c.source for c in cells if c.cell_type == "code" and f"# BEGIN SOLUTION {exercise}\n"
-                           in c.source) for exercise in ANSWERS}
-
-
-CELLS = exercise_cells()
+CELLS = exercise_cells("11_3d_parallelism.ipynb", ANSWERS)
 
 
 def answer(exercise: str, old: str = "", new: str = ""):

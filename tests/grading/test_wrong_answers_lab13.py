@@ -9,27 +9,16 @@ made-up records and traces).
 """
 
 import re
-from pathlib import Path
 
-import nbformat
 import pytest
-from tests.wrong_answers import solution_namespace
 
 import distlab
+from wrong_answers import exercise_cells, solution_namespace
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("one_thread")]
 
-NOTEBOOK = Path(__file__).resolve().parents[2] / "solutions" / "13_capstone.ipynb"
 ANSWERS = {"13.1": "choose_layout", "13.2": "next_batch", "13.3": "resume", "13.4": "report_numbers"}
-
-
-def exercise_cells() -> dict[str, str]:
-    cells = nbformat.read(NOTEBOOK, as_version=4).cells
-    return {exercise: next(c.source for c in cells if c.cell_type == "code" and f"# BEGIN SOLUTION {exercise}\n"
-                           in c.source) for exercise in ANSWERS}
-
-
-CELLS = exercise_cells()
+CELLS = exercise_cells("13_capstone.ipynb", ANSWERS)
 IMPORTS = solution_namespace("13_capstone.ipynb", 13)
 
 
