@@ -234,8 +234,8 @@ def grade_notebooks(paths, timeout: float = DEFAULT_TIMEOUT, jobs: int | None = 
     jobs = jobs or default_jobs(len(paths))
     factory = None
     if warm and KernelFactory.available():
-        try:  # every kernel imports every lab's checkers (and through them the topics'): once, in the factory
-            factory = KernelFactory(preload=[f"distlab.grading.{name}" for name in lab_modules()])
+        try:  # the kernels import their labs' checkers (and through them the topics'): once, in the factory
+            factory = KernelFactory(preload=_checkers_of(paths))
         except Exception as error:  # noqa: BLE001  grading still works, only slower
             print(f"warm kernels unavailable ({first_line(error) or type(error).__name__}); starting a fresh "
                   "kernel per notebook", file=sys.stderr)
@@ -265,6 +265,14 @@ def grade_notebooks(paths, timeout: float = DEFAULT_TIMEOUT, jobs: int | None = 
         if factory is not None:
             factory.close()
         shutil.rmtree(workdir, ignore_errors=True)
+
+
+def _checkers_of(paths: list[Path]) -> list[str]:
+    """The checker modules of the labs these notebooks belong to (every lab's when a name does not say its lab):
+    what their kernels import. The other labs' would cost every grading run seconds, and their topics would ask
+    the forkserver to preload modules these ranks never use."""
+    numbers = {lab_number(p) for p in paths}
+    return [f"distlab.grading.{name}" for name in lab_modules() if None in numbers or int(name[3:]) in numbers]
 
 
 def grade_notebook(path: Path, timeout: float = DEFAULT_TIMEOUT, cell_timeout: float | None = None,
