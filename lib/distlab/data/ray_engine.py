@@ -234,14 +234,25 @@ class RayEngine:
 
     def phase_one(self, pending: list[Path], work_root: Path, config: PipelineConfig,
                   progress: bool) -> Iterator[dict]:
-        """A task per pending file, all submitted at once; their summaries in input order."""
+        """A task per pending file, as many running as the cluster has CPUs; their summaries in input order.
+
+        Submitting only as CPUs free up (not every file at once) is what makes an interrupt stop the run: the
+        tasks already running finish their files (a resumed run skips them), and no queued one starts after."""
         config_ref = ray.put(config)
-        refs = [process_file_task.remote(str(path), str(work_root), config_ref) for path in pending]
+        submitted, running = [], set()
         bar = tqdm(total=len(pending), desc="input files", unit="file", disable=not progress)
-        for ref in refs:  # interrupted here, the tasks still running finish their files (a resumed run skips them)
-            summary = ray.get(ref)
+        for k in range(len(pending)):
+            while True:
+                while len(submitted) < len(pending) and len(running) < self.parts:
+                    submitted.append(process_file_task.remote(str(pending[len(submitted)]), str(work_root),
+                                                              config_ref))
+                    running.add(submitted[-1])
+                if submitted[k] not in running:
+                    break
+                ready, _ = ray.wait(list(running), num_returns=1)
+                running.difference_update(ready)
             bar.update()
-            yield summary
+            yield ray.get(submitted[k])
         bar.close()
 
     def _shuffle(self, route, blocks: list, *args) -> list[list]:
