@@ -16,17 +16,17 @@ SHARED := $(abspath ../shared)
 
 export TIKTOKEN_CACHE_DIR ?= $(abspath $(VENV_TIKTOKEN))
 
-.PHONY: install lab test test-latest lock browser-deps solutions labs bench gpu-check clean
+.PHONY: install lab test test-phases test-latest lock browser-deps solutions labs bench gpu-check clean
 
 # Every dependency but torch installs at the exact version in $(LOCK) (one file, every transitive version,
 # Python 3.10-3.13 on Linux and macOS), so a course that passes today passes next term. `make lock` writes it;
-# CONTRIBUTING says when. torch stays outside the lock: installed only where missing, the CPU wheel by default.
+# CONTRIBUTING says when. torch stays outside the lock: installed only where missing, and on Linux without an
+# NVIDIA GPU from PyTorch's CPU wheel index, falling back to PyPI where that index cannot be reached
+# (tools/install_torch.py says why; README.md what each platform downloads).
 $(STAMP): pyproject.toml $(LOCK)
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
 	$(REAL_PY) -m pip install -q --upgrade pip
-	# Install torch only where it is missing: never replace a torch Colab/Kaggle/the user brought.
-	$(REAL_PY) -c "import torch" 2>/dev/null || $(REAL_PY) -m pip install -q "$(TORCH_PIN)" || \
-		$(REAL_PY) -m pip install -q "torch>=2.8"
+	$(REAL_PY) tools/install_torch.py "$(TORCH_PIN)" --python $(REAL_PY)
 	$(REAL_PY) -m pip install -q -r $(LOCK)
 	$(REAL_PY) -m pip install -q --no-deps -e .
 	# cloudpickle 3.1.2, the last release that kept code objects' file names, beside the locked one:
@@ -46,13 +46,27 @@ install: $(STAMP)
 lab: install
 	$(VENV)/bin/jupyter lab labs/ $(if $(filter 0,$(shell id -u)),--allow-root,)
 
-# Each phase prints its wall time, so a slow suite shows where the time went.
+# The suite runs as a fresh machine would: tests/fresh_machine.py points the temporary folder, Ray's root and the
+# home folder (~/.cache, ~/.jupyter, ~/.ipython, ~/.local) into one new scratch folder for the run, removed
+# afterwards unless the run failed (CONTRIBUTING: "A fresh machine, every run").
 test: install browser-deps
 	$(PY) -m distlab labs --check
 	$(VENV)/bin/ruff check --quiet .
-	@SECONDS=0; $(PY) -m pytest -q --durations=20 tests; status=$$?; echo "make test: tests took $$SECONDS s"; exit $$status
-	@SECONDS=0; $(PY) -m pytest -q --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg --nbval-cell-timeout 600 \
-		-p no:cacheprovider solutions/; status=$$?; echo "make test: nbval took $$SECONDS s"; exit $$status
+	@$(PY) tests/fresh_machine.py -- $(MAKE) --no-print-directory test-phases
+
+# make test's two phases, as make test runs them (in its scratch folder). Tests and notebooks are spread over
+# TEST_WORKERS processes (pytest-xdist; by default one per core this process may use, at most 4, since each test
+# starts ranks of its own): a test module, or a notebook, runs whole on one worker, and the longest modules start
+# first (tests/conftest.py). Each phase prints its wall time, so a slow suite shows where the time went.
+TEST_WORKERS ?= $(shell $(PY) -c 'import os; print(min(4, len(os.sched_getaffinity(0)) \
+	if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))')
+XDIST = -n $(TEST_WORKERS)
+test-phases:
+	@SECONDS=0; $(PY) -m pytest -q --durations=20 $(XDIST) --dist loadgroup --no-loadscope-reorder tests; \
+		status=$$?; echo "make test: tests took $$SECONDS s"; exit $$status
+	@SECONDS=0; $(PY) -m pytest -q $(XDIST) --dist loadfile --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg \
+		--nbval-cell-timeout 600 -p no:cacheprovider solutions/; status=$$?; echo "make test: nbval took $$SECONDS s"; \
+		exit $$status
 
 # The next drift, before students see it: the newest version of every dependency pyproject.toml allows, in a
 # scratch venv, through the runtime's tests and the notebook tooling's (the parts that lean on dependencies'
@@ -64,7 +78,7 @@ test-latest:
 	rm -rf $(LATEST)
 	$(PYTHON) -m venv $(LATEST)
 	$(LATEST)/bin/python -m pip install -q --upgrade pip
-	$(LATEST)/bin/python -m pip install -q "$(TORCH_PIN)" || $(LATEST)/bin/python -m pip install -q "torch>=2.8"
+	$(LATEST)/bin/python tools/install_torch.py "$(TORCH_PIN)" --python $(LATEST)/bin/python
 	$(LATEST)/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e ".[test]"
 	$(LATEST)/bin/python -m pip install -q --no-deps --target $(LATEST)/compat/cloudpickle-3.1.2 cloudpickle==3.1.2
 	$(LATEST)/bin/python -m ipykernel install --sys-prefix --name python3 >/dev/null

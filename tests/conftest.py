@@ -45,3 +45,25 @@ def references_are_right_answers(request, monkeypatch):
         from distlab import grading
 
         monkeypatch.setattr(grading, "reference_use", lambda student_code, references: None)
+
+
+# The modules that take longest, in the order `make test`'s workers should start them (pytest-xdist hands out whole
+# modules, in the order they are collected): started last, one of them would end the run alone on one worker.
+LONGEST_FIRST = ("test_notebooks.py", "test_data_ray.py", "test_instructor_guide.py", "test_cluster.py",
+                 "test_launcher_faults.py", "test_fresh_machine.py", "test_browser.py", "test_launcher.py",
+                 "test_grading_class.py", "test_gpu_check.py", "test_ddp.py", "test_payload.py")
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_collection_modifyitems(config, items):
+    """Under ``make test`` (``-n … --dist loadgroup``) a test module runs whole on one worker, so its module-scoped
+    fixtures (warm ranks, a Ray cluster) start once, as in a serial run; a test that names its own ``xdist_group``
+    (a share of a long test) may run beside the rest of its module. The longest modules go first."""
+    def rank(item):
+        name = item.path.name
+        return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
+
+    items.sort(key=rank)  # stable: within a module, the order the tests are written in
+    for item in items:
+        if item.get_closest_marker("xdist_group") is None:
+            item.add_marker(pytest.mark.xdist_group(str(item.path.relative_to(config.rootpath))))

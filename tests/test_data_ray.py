@@ -49,11 +49,28 @@ def ray_processes() -> list[psutil.Process]:
     return found
 
 
+def short_temp_root() -> str:
+    """The machine's temporary folder, or ``/tmp`` where that path is long (macOS): Ray's socket paths, made
+    under it, must fit in 107 bytes."""
+    temp = tempfile.gettempdir()
+    return temp if len(temp) <= 48 else "/tmp"
+
+
 @pytest.fixture(scope="module")
 def cluster():
+    """Two nodes in a Ray root of the module's own, as on a machine that never ran Ray.
+
+    ``Cluster`` writes the head's address to ``ray/ray_current_cluster`` under Ray's *default* root
+    (``$RAY_TMPDIR``, else ``$TMPDIR`` on Linux, else ``/tmp``: ``ray._private.utils.write_ray_address``) even
+    when the nodes are given a ``temp_dir``, and fails where that folder does not exist. So the default root is
+    pointed at the fixture's own folder for the module, its ``ray/`` made here, and both removed afterwards:
+    nothing is read from, or left in, the machine's ``/tmp/ray``."""
     from ray.cluster_utils import Cluster
 
-    temp = tempfile.mkdtemp(prefix="ray-", dir="/tmp")  # short: Ray's socket paths must fit in 107 bytes
+    temp = tempfile.mkdtemp(prefix="ray-", dir=short_temp_root())
+    os.mkdir(os.path.join(temp, "ray"))
+    before = os.environ.get("RAY_TMPDIR")
+    os.environ["RAY_TMPDIR"] = temp
     node = {"num_cpus": 1, "object_store_memory": 100 * 2**20, "temp_dir": temp}
     started = Cluster(initialize_head=True, head_node_args={**node, "include_dashboard": False, "no_monitor": True})
     started.add_node(**node)
@@ -64,6 +81,10 @@ def cluster():
         ours = ray_processes()  # before shutdown: Ray's agents outlive their raylet briefly, reparented to init
         ray.shutdown()
         started.shutdown()
+        if before is None:
+            os.environ.pop("RAY_TMPDIR", None)
+        else:
+            os.environ["RAY_TMPDIR"] = before
         _, left = psutil.wait_procs(ours, timeout=15)
         for proc in left:  # an agent that did not follow its raylet: ours, so end it (and say so below)
             proc.kill()
@@ -112,6 +133,15 @@ def answer(report) -> dict:
     return {"documents_in": report.documents_in, "kept": report.kept, "rejected": dict(report.rejected),
             "tokens": report.tokens, "shards": report.shards, "warnings": report.warnings,
             "stages": [(s.name, s.docs_in, s.docs_out, dict(s.counters)) for s in report.stages]}
+
+
+def test_the_cluster_keeps_its_address_in_a_root_of_its_own(cluster):
+    """What failed on a fresh machine: the address file goes to the module's Ray root, never the machine's."""
+    from ray._common.utils import get_ray_address_file
+
+    address_file = Path(get_ray_address_file(None))
+    assert address_file.read_text().strip() == cluster.gcs_address
+    assert address_file.parent == Path(os.environ["RAY_TMPDIR"], "ray") != Path(tempfile.gettempdir(), "ray")
 
 
 def test_two_nodes_give_the_local_answer_byte_for_byte_and_purge_alike(cluster, crawl, reference, tmp_path):
