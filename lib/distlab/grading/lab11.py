@@ -276,8 +276,9 @@ QUIZ = [
                        "the busy fraction m/(m + p - 1)": lambda pp, m: 1 - bubble_fraction(pp, m)},
                 hint="'MFU at 18%: the top five suspects', suspect 1, and lab 06's bubble section"),
     quiz.number("Q11.2", "milliseconds for one all-reduce of the {preset} model's bf16 gradients on {gpus} GPUs at "
-                "450 GB/s", rel_tol=0.03, given=dict(preset="70B", gpus=8),
-                vary=dict(preset=("7B", "405B"), gpus=(4, 16, 64)), solve=_q_all_reduce_ms,
+                "450 GB/s", rel_tol=0.02, given=dict(preset="70B", gpus=8),
+                # no 64 GPUs: there the seeds' slip, 2·M/β, is 1.6% above the answer, closer than 70B is to the preset's 69.0B
+                vary=dict(preset=("7B", "405B"), gpus=(2, 4, 16)), solve=_q_all_reduce_ms,
                 wrong={"2·M/β without (N - 1)/N (the seeds' slip)":
                        lambda preset, gpus: _q_all_reduce_ms(preset, gpus) * gpus / (gpus - 1),
                        "fp32 gradients": lambda preset, gpus: 2 * _q_all_reduce_ms(preset, gpus),
@@ -285,7 +286,7 @@ QUIZ = [
                 hint="'The seeds' arithmetic, computed', and lab 02's ring all-reduce: what each GPU sends"),
     quiz.number("Q11.3", "days to train 405B on {trillions}T tokens on {gpus:,} H100s (989 TFLOP/s bf16) at 40% MFU",
                 given=dict(trillions=15.6, gpus=16384),
-                vary=dict(trillions=(2, 5, 10, 30), gpus=(2048, 4096, 8192, 32768)), solve=_q_days, rel_tol=0.05,
+                vary=dict(trillions=(2, 5, 10, 30), gpus=(2048, 4096, 8192, 32768)), solve=_q_days, rel_tol=0.03,
                 wrong={"6N alone, every parameter, no attention FLOPs": lambda trillions, gpus: _q_days(
                            trillions, gpus, flops_per_token=6 * PRESETS["405B"].n_params),
                        "at 100% MFU": lambda trillions, gpus: _q_days(trillions, gpus, mfu=1.0)},
