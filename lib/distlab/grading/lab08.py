@@ -631,7 +631,7 @@ EXERCISES = [
                 hint="see 'All-to-all bytes per layer, counted' and 'DeepSeek-V3 at scale' (the chapter's sections 8 "
                      "and 9)"),
     # whole numbers, so no tolerance; no EP = 32, where the answer is k = 8
-    quiz.number("Q8.6", "experts per GPU, DeepSeek-V3 at EP = {ep}", rel_tol=0, given=dict(ep=64),
+    quiz.number("Q8.6", "routed experts per GPU, DeepSeek-V3 at EP = {ep}", rel_tol=0, given=dict(ep=64),
                 vary=dict(ep=(8, 16, 128, 256)), solve=lambda ep: DEEPSEEK_V3.routed_experts / ep,
                 wrong={"the shared expert counted too": lambda ep: (DEEPSEEK_V3.routed_experts + 1) / ep,
                        "the experts a token uses, k": lambda ep: DEEPSEEK_V3.k},
