@@ -277,7 +277,8 @@ QUIZ = [
                 hint="'MFU at 18%: the top five suspects', suspect 1, and lab 06's bubble section"),
     quiz.number("Q11.2", "milliseconds for one all-reduce of the {preset} model's bf16 gradients on {gpus} GPUs at "
                 "450 GB/s", rel_tol=0.02, given=dict(preset="70B", gpus=8),
-                # no 64 GPUs: there the seeds' slip, 2·M/β, is 1.6% above the answer, closer than 70B is to the preset's 69.0B
+                # no 64 GPUs: there the seeds' slip, 2·M/β, is 1.6% above the answer, as close as rounding the
+                # preset's 68.98B parameters to 70B
                 vary=dict(preset=("7B", "405B"), gpus=(2, 4, 16)), solve=_q_all_reduce_ms,
                 wrong={"2·M/β without (N - 1)/N (the seeds' slip)":
                        lambda preset, gpus: _q_all_reduce_ms(preset, gpus) * gpus / (gpus - 1),
