@@ -80,3 +80,46 @@ def test_tables_of_figures_are_quoted_outputs(chapter):
     typed = [line for line in text.splitlines() if line.startswith("|") and _TABLE_FIGURE.search(line)]
     assert not typed, (f"{chapter.name}: these table rows show figures no cell printed; print the table in the "
                        f"solution notebook and quote it in an ```output block:\n" + "\n".join(typed))
+
+
+# Every sentence about another system (NCCL, PyTorch internals, Megatron-LM, torchtitan, DeepSpeed, a paper's figure)
+# names its source as a numbered reference [n] that the chapter's "## References" list resolves. These chapters must
+# carry such a list; any other chapter that has one is checked the same way. Add a chapter's number once it has its.
+CHAPTERS_WITH_REFERENCES = ("04", "05", "06", "07", "08", "09", "10", "11", "12", "13")
+_REFERENCES = re.compile(r"^## References[^\n]*\n(?P<body>.*?)(?=^## |\Z)", re.MULTILINE | re.DOTALL)
+_ENTRY_START = re.compile(r"^(?:[-*]|\d+\.|\[\d+\])\s.*$", re.MULTILINE)  # a list item of the references
+_REFERENCE_ENTRY = re.compile(r"^(?:[-*] )?\[(\d+)\] \S")  # "[3] Author, *Title*, venue, §2.1"
+# [3], [3, 5], [3–5], [3, §2.1], [3, Table 4]; not a link [3](...)
+_CITATION = re.compile(r"\[(\d+(?:\s*[,–-]\s*\d+)*)(?:,\s*[^\]\d\s][^\]\n]*)?\](?!\()")
+_CODE_OR_MATH = re.compile(r"^```.*?^```|\$\$.*?\$\$|\$[^$\n]*\$|`[^`\n]*`", re.MULTILINE | re.DOTALL)
+
+
+def _cited(text: str) -> set[int]:
+    """The reference numbers the text cites, outside code and formulas (where [3] is an index)."""
+    numbers = set()
+    for match in _CITATION.finditer(_CODE_OR_MATH.sub("", text)):
+        for part in match[1].split(","):
+            first, _, last = part.strip().replace("–", "-").partition("-")
+            numbers.update(range(int(first), int(last or first) + 1))
+    return numbers
+
+
+@pytest.mark.parametrize("chapter", CHAPTERS, ids=lambda p: p.name)
+def test_every_citation_resolves_and_every_reference_is_cited(chapter):
+    text = chapter.read_text(encoding="utf-8")
+    listing = _REFERENCES.search(text)
+    if listing is None:
+        assert chapter.name[:2] not in CHAPTERS_WITH_REFERENCES, (
+            f"{chapter.name}: no '## References' list; name the source of every sentence about another system as "
+            f"[n] and list the sources there, one '[n] author, title, venue, section' (or repository path and "
+            f"function, or documentation page) per line")
+        return
+    items = _ENTRY_START.findall(listing["body"])
+    assert not (unnumbered := [i for i in items if not _REFERENCE_ENTRY.match(i)]), (
+        f"{chapter.name}: references the text cannot point at; number them '[n] ...':\n" + "\n".join(unnumbered))
+    entries = [int(_REFERENCE_ENTRY.match(i)[1]) for i in items]
+    assert entries and entries == list(range(1, len(entries) + 1)), (
+        f"{chapter.name}: references numbered {entries}, not 1, 2, 3, ...")
+    cited = _cited(text[:listing.start()] + text[listing.end():])
+    assert not (unknown := sorted(cited - set(entries))), f"{chapter.name}: {unknown} cited but not in its references"
+    assert not (uncited := sorted(set(entries) - cited)), f"{chapter.name}: references {uncited} are never cited"

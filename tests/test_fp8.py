@@ -125,6 +125,20 @@ def test_quantize_rejects_blocks_that_do_not_tile():
         quantize(torch.ones(4), "e4m3")
 
 
+def test_the_quantisers_passes_and_bytes_are_counted_as_it_runs():
+    """fp8.quantize is unfused: each of its PyTorch ops reads or writes the whole operand, and the count says how many
+    bytes per element that moves against a fused cast's read for the amax, read to cast and one-byte write."""
+    x = torch.randn(64, 128).to(torch.bfloat16)
+    passes = fp8.quantize_passes(x)
+    assert "amax" in passes["ops"] and passes["ops"][-1] == "_to_copy" and len(passes["ops"]) >= 5, passes
+    assert passes["fused_bytes_per_element"] == 2 + 2 + 1
+    assert passes["bytes_per_element"] > 5 * passes["fused_bytes_per_element"], passes
+    assert fp8.quantize_passes(x.float())["fused_bytes_per_element"] == 4 + 4 + 1
+    cost = fp8.quantize_cost(64, 128, min_seconds=0.0)
+    assert cost["passes"]["ops"] == passes["ops"] and set(cost["seconds"]) == {"quantize", "one cast kernel"}
+    assert all(seconds > 0 for seconds in cost["seconds"].values())
+
+
 def test_delayed_scaling_uses_history_and_clips_a_new_outlier():
     delayed = fp8.DelayedScaling("e4m3", history=2)
     ones = torch.ones(4, 4)

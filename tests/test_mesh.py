@@ -10,11 +10,13 @@ from distlab.grading import CheckFailed, lab11
 from distlab.model import GPTConfig
 from distlab.parallel3d.grid import (
     AXES,
+    MEGATRON_ORDER,
     Grid,
     check_3d_setup,
     compare_with_reference,
     group_ranks_worker,
     measured_bytes_per_axis,
+    order_table,
     parallel3d_worker,
 )
 from distlab.parallel3d.planner import Layout, ModelShape, bytes_per_axis
@@ -56,6 +58,21 @@ def test_grid_coordinates_and_groups_follow_the_dp_pp_tp_layout():
             assert all(grid.coords(r)[a] == c[a] for r in group for a in others)
 
 
+def test_megatron_lms_default_order_puts_pp_outermost():
+    """The example in Megatron-LM's initialize_model_parallel docstring (megatron/core/parallel_state.py): 16 GPUs,
+    TP 2, PP 4 (so DP 2) under its default order="tp-cp-ep-dp-pp"."""
+    grid = Grid(dp=2, pp=4, tp=2, order=MEGATRON_ORDER)
+    assert grid.groups("dp") == [[0, 2], [1, 3], [4, 6], [5, 7], [8, 10], [9, 11], [12, 14], [13, 15]]
+    assert sorted(grid.groups("tp")) == [[0, 1], [2, 3], [4, 5], [6, 7], [8, 9], [10, 11], [12, 13], [14, 15]]
+    assert grid.groups("pp") == [[0, 4, 8, 12], [1, 5, 9, 13], [2, 6, 10, 14], [3, 7, 11, 15]]
+    assert grid.coords(6) == {"dp": 1, "pp": 1, "cp": 0, "tp": 0} and grid.ranks()[1, 1, 0, 0] == 6
+    table = order_table(Grid(2, 2, 2)).splitlines()
+    assert table[1] == "rank 0 dp [0, 4]  pp [0, 2]  tp [0, 1] | dp [0, 2]  pp [0, 4]  tp [0, 1]"
+    assert 'order="tp-cp-ep-dp-pp"' in table[-1]
+    with pytest.raises(ValueError, match="must name each of"):
+        Grid(2, 2, 2, order=("dp", "pp", "tp"))
+
+
 def test_tp_stays_inside_a_node_and_dp_crosses_nodes():
     llama = Grid(dp=128, pp=16, tp=8)
     assert llama.world == 16384
@@ -87,6 +104,9 @@ def test_3d_runs_equal_one_process_and_groups_match_device_mesh(ranks8):
         grid = Grid(2, 2, 2)
         assert r["coords"] == grid.coords(r["rank"])
         assert r["ours"] == r["device_mesh"] == {a: grid.group_of(r["rank"], a) for a in grid.axes}
+    megatron = Grid(2, 2, 2, order=MEGATRON_ORDER)  # init_device_mesh with its dimensions in Megatron's order agrees
+    for r in ranks8.run(group_ranks_worker, args=(megatron,)):
+        assert r["ours"] == r["device_mesh"] == {a: megatron.group_of(r["rank"], a) for a in megatron.axes}
     for dp, pp, tp in [(2, 2, 2), (4, 1, 2)]:
         grid = Grid(dp, pp, tp)
         run = ranks8.run(parallel3d_worker, args=(CFG, dp, pp, tp), kwargs=dict(m=2, batch_size=batch, steps=steps))

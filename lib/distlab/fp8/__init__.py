@@ -33,15 +33,18 @@ from distlab.fp8.scaling import (
     expand_scale,
     gradient_underflow,
     quantize,
+    quantize_passes,
     snr_db,
 )
 from distlab.fp8.training import (
+    HBM_BYTES_PER_SECOND,
     RECIPES,
     TrainResult,
     compute_device,
     final_loss,
     half_precision,
     matmul_throughput,
+    quantize_cost,
     train,
     train_recipe,
 )
@@ -51,7 +54,7 @@ __all__ = [
     "relative_error",
     "round_mantissa", "round_to", "Float8Linear", "convert_to_float8", "float8_matmul", "ScaledMMSupport",
     "emulated_scaled_mm", "fp8_matmul", "scale_kind", "scaled_mm_support", "TILE", "DelayedScaling",
-    "accumulation_error", "dequantize", "expand_scale", "gradient_underflow", "quantize",
+    "accumulation_error", "dequantize", "expand_scale", "gradient_underflow", "quantize", "quantize_passes",
     "snr_db", "RECIPES", "TrainResult", "compute_device", "final_loss", "half_precision", "matmul_throughput",
-    "train_recipe", "train",
+    "quantize_cost", "HBM_BYTES_PER_SECOND", "train_recipe", "train",
 ]

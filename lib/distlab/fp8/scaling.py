@@ -6,7 +6,8 @@
 * :func:`quantize` / :func:`dequantize` — FP8 with one scale per block: the whole tensor,
   each row, 1×128 tiles (DeepSeek-V3's activations) or 128×128 blocks (its weights).
   A scale is the *dequantisation* factor ``amax / fp8_max``, the one ``torch._scaled_mm``
-  takes: ``x ≈ q · scale``.
+  takes: ``x ≈ q · scale``. :func:`quantize_passes` lists what it costs: it is written with
+  PyTorch ops, each a pass over memory, where a fused cast makes one.
 * :class:`DelayedScaling` — the scale from the amax of *previous* steps (Transformer
   Engine's recipe): no extra pass over the tensor, but a sudden outlier saturates.
 * :func:`accumulation_error` — a matmul whose accumulator keeps few mantissa bits, with and
@@ -20,10 +21,12 @@ from collections import deque
 
 import torch
 import torch.nn as nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_leaves
 
 from distlab.fp8.formats import FORMATS, Format, round_mantissa
 
-__all__ = ["gradient_underflow", "quantize", "dequantize", "expand_scale", "DelayedScaling",
+__all__ = ["gradient_underflow", "quantize", "quantize_passes", "dequantize", "expand_scale", "DelayedScaling",
            "snr_db", "accumulation_error", "TILE"]
 
 TILE = 128  # DeepSeek-V3's tile: 1×128 for activations, 128×128 for weights, fp32 promotion every 128 products
@@ -127,6 +130,39 @@ def quantize(x: torch.Tensor, fmt: Format | str = "e4m3", block: tuple[int, int]
     scale = torch.where(amax > 0, amax / fmt.max, torch.ones_like(amax))
     q = (x32 / expand_scale(scale, tuple(x.shape))).clamp(-fmt.max, fmt.max).to(fmt.dtype)
     return q, scale
+
+
+class _WholeOperandOps(TorchDispatchMode):
+    """Records each aten op that reads or writes a tensor of ``numel`` elements, with the bytes it moves: every
+    tensor it reads or writes, at most its storage (a broadcast scale is read once, not per element). Views move
+    no memory and are left out."""
+
+    def __init__(self, numel: int):
+        super().__init__()
+        self.numel, self.ops = numel, []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        out = func(*args, **(kwargs or {}))
+        tensors = [t for t in tree_leaves((args, kwargs, out)) if isinstance(t, torch.Tensor)]
+        is_view = any(r.alias_info is not None for r in func._schema.returns)
+        if not is_view and any(t.numel() == self.numel for t in tensors):
+            moved = sum(min(t.numel() * t.element_size(), t.untyped_storage().nbytes()) for t in tensors)
+            self.ops.append((func.overloadpacket.__name__, moved))
+        return out
+
+
+def quantize_passes(x: torch.Tensor, fmt: Format | str = "e4m3") -> dict:
+    """What :func:`quantize` (one scale for the tensor) does to ``x``, counted op by op as it runs.
+
+    ``ops``: the aten ops that read or write the whole operand, in order — each a separate pass over memory in
+    eager PyTorch; ``bytes_per_element``: what they read and write together per element of ``x``;
+    ``fused_bytes_per_element``: what a fused cast moves instead, reading ``x`` once for its amax and once to
+    cast it and writing one byte (delayed scaling, whose amax is known before, skips the first read)."""
+    counter = _WholeOperandOps(x.numel())
+    with counter:
+        quantize(x, fmt)
+    return {"ops": [name for name, _ in counter.ops], "bytes_per_element": sum(b for _, b in counter.ops) / x.numel(),
+            "fused_bytes_per_element": 2 * x.element_size() + _as_format(fmt).dtype.itemsize}
 
 
 def dequantize(q: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:

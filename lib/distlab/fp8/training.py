@@ -14,7 +14,8 @@ Recipes (all keep float32 master weights and AdamW state):
 Each run starts from ``GPT(cfg, seed)`` and sees the same ``synthetic_batch`` stream, so
 two recipes differ only in arithmetic. :func:`matmul_throughput` times one GEMM shape in
 bf16 and in FP8 on the given device, the comparison ``benchmarks/bench_fp8.py`` runs at
-H100 sizes.
+H100 sizes; :func:`quantize_cost` times the library's unfused quantiser against the one pass a fused
+cast makes.
 """
 
 from __future__ import annotations
@@ -27,15 +28,16 @@ import torch
 
 from distlab.data_parallel import make_ddp, train_step
 from distlab.data_parallel import train as train_data_parallel
+from distlab.fp8.formats import FORMATS
 from distlab.fp8.linear import Float8Linear, convert_to_float8
 from distlab.fp8.matmul import fp8_matmul, scaled_mm_support
-from distlab.fp8.scaling import quantize
+from distlab.fp8.scaling import quantize, quantize_passes
 from distlab.model import GPT, GPTConfig, synthetic_batch
 from distlab.reference import make_optimizer
 from distlab.runtime.rank import device as rank_device
 
 __all__ = ["RECIPES", "TrainResult", "train_recipe", "compute_device", "half_precision", "matmul_throughput",
-           "final_loss", "train"]
+           "quantize_cost", "HBM_BYTES_PER_SECOND", "final_loss", "train"]
 
 RECIPES = ("fp32", "bf16", "fp16", "fp16+scaler", "fp8")
 _AUTOCAST = {"fp32": None, "bf16": torch.bfloat16, "fp16": torch.float16, "fp16+scaler": torch.float16,
@@ -159,18 +161,20 @@ class _Rescaled:
         return self.optimizer.step()
 
 
-def _median_seconds(fn, device: torch.device, min_seconds: float, max_repeats: int = 1000) -> float:
-    fn()  # warm-up: kernel selection, allocations
+def _seconds(fn, device: torch.device) -> float:
+    """One call's wall time, the device's queue drained."""
+    started = time.perf_counter()
+    fn()
     if device.type == "cuda":
         torch.cuda.synchronize(device)
-    times, spent = [], 0.0
-    while (spent < min_seconds or len(times) < 3) and len(times) < max_repeats:
-        started = time.perf_counter()
-        fn()
-        if device.type == "cuda":
-            torch.cuda.synchronize(device)
-        times.append(time.perf_counter() - started)
-        spent += times[-1]
+    return time.perf_counter() - started
+
+
+def _median_seconds(fn, device: torch.device, min_seconds: float, max_repeats: int = 1000) -> float:
+    _seconds(fn, device)  # warm-up: kernel selection, allocations
+    times = []
+    while (sum(times) < min_seconds or len(times) < 3) and len(times) < max_repeats:
+        times.append(_seconds(fn, device))
     return statistics.median(times)
 
 
@@ -205,6 +209,29 @@ def matmul_throughput(m: int, k: int, n: int, device: torch.device | str = "cpu"
         seconds["fp8"] = _median_seconds(fp8("torch._scaled_mm"), device, min_seconds)
     return {"shape": [m, k, n], "device": str(device), "path": support.path, "reason": support.reason,
             "seconds": seconds, "flops_per_second": {name: flops / s for name, s in seconds.items()}}
+
+
+# HBM bandwidth: the rate of a memory-bound pass over an operand (NVIDIA H100 Tensor Core GPU datasheet, SXM)
+HBM_BYTES_PER_SECOND = {"H100 SXM": 3.35e12}
+
+
+def quantize_cost(rows: int, cols: int, device: torch.device | str = "cpu", min_seconds: float = 0.2) -> dict:
+    """Median seconds to cast one ``rows × cols`` bf16 operand to E4M3 on ``device``: with :func:`quantize` (its
+    amax, scale and cast as separate PyTorch ops, the cast that ``matmul_throughput(include_quantize=True)`` pays),
+    and with one cast kernel, ``x.to(float8_e4m3fn)`` — the single read and write a fused cast makes (a fused cast
+    with a current amax reads the operand once more). ``passes``: :func:`quantize_passes` of the operand."""
+    device = torch.device(device)
+    x = torch.randn(rows, cols, generator=torch.Generator().manual_seed(0)).to(device, torch.bfloat16)
+    e4m3 = FORMATS["e4m3"].dtype
+    casts = {"quantize": lambda: quantize(x, "e4m3"), "one cast kernel": lambda: x.to(e4m3)}
+    times = {name: [] for name in casts}
+    for cast in casts.values():
+        _seconds(cast, device)  # warm-up
+    while sum(map(sum, times.values())) < min_seconds or len(times["quantize"]) < 5:
+        for name, cast in casts.items():  # interleaved, so that a busy machine slows both alike
+            times[name].append(_seconds(cast, device))
+    return {"shape": [rows, cols], "device": str(device), "passes": quantize_passes(x),
+            "seconds": {name: statistics.median(values) for name, values in times.items()}}
 
 
 def _quantized(a: torch.Tensor, w: torch.Tensor):

@@ -606,22 +606,34 @@ EXERCISES = [
     Exercise("8.6", "expert parallelism with all-to-all", 4, check_expert_parallel,
              references=("distlab.moe.layer.expert_parallel_forward",)),
     quiz.number("Q8.1", "capacity of one expert", answer=expert_capacity(4096, 64, 2, 1.25), rel_tol=0, abs_tol=0.01,
+                wrong={"top-k left out (k = 1)": expert_capacity(4096, 64, 1, 1.25),
+                       "the capacity factor left out": expert_capacity(4096, 64, 2, 1.0)},
                 hint="see 'Capacity and dropped tokens' (the chapter's section 3)",
                 fixed=_NUMBERS_NOT_IN_TITLE),
     quiz.number("Q8.2", "Switch loss of a collapsed router", answer=16.0, rel_tol=0, abs_tol=0.01,
+                wrong={"uniform routing's value": 1.0, "E²: the factor E counted twice": 256.0},
                 hint="see 'Balancing the load' (the chapter's section 4): what f and P are when one expert gets "
                      "everything",
                 fixed=_NUMBERS_NOT_IN_TITLE),
     quiz.choice("Q8.3", "what the bias of an overloaded expert does", answer="b", options="abcd",
                 hint="see 'Auxiliary-loss-free balancing' (the chapter's section 5): the update rule for b_i"),
-    quiz.number("Q8.4", "DeepSeek-V3 dispatch MB per GPU", answer=_DSV3_DISPATCH_MB, rel_tol=0.02,
+    # rel_tol 0.005: the bytes that leave the GPU, 63/64 of the payload, are 1.6% below it
+    quiz.number("Q8.4", "DeepSeek-V3 dispatch MB per GPU", answer=_DSV3_DISPATCH_MB, rel_tol=0.005,
+                wrong={"the bytes that leave the GPU (x 63/64), not the payload": _DSV3_DISPATCH_MB * 63 / 64,
+                       "MiB, not MB": _DSV3_DISPATCH_MB * 1e6 / 2**20,
+                       "FP8 dispatch (1 byte per value), not bf16": _DSV3_DISPATCH_MB / 2,
+                       "k left out: one copy per token": _DSV3_DISPATCH_MB / DEEPSEEK_V3.k,
+                       "the four all-to-alls of a step": 4 * _DSV3_DISPATCH_MB},
                 hint="see 'All-to-all bytes per layer, counted' and 'DeepSeek-V3 at scale' (the chapter's sections 8 "
                      "and 9)",
                 fixed=_NUMBERS_NOT_IN_TITLE),
     quiz.choice("Q8.5", "why MoE routing is expensive at scale", answer="c", options="abcd",
                 hint="see 'All-to-all bytes per layer, counted' and 'DeepSeek-V3 at scale' (the chapter's sections 8 "
                      "and 9)"),
-    quiz.number("Q8.6", "experts per GPU, DeepSeek-V3 at EP = {ep}", rel_tol=0, abs_tol=0.01, given=dict(ep=64),
-                vary=dict(ep=(8, 16, 32, 128, 256)), solve=lambda ep: DEEPSEEK_V3.routed_experts / ep,
+    # whole numbers, so no tolerance; no EP = 32, where the answer is k = 8
+    quiz.number("Q8.6", "routed experts per GPU, DeepSeek-V3 at EP = {ep}", rel_tol=0, given=dict(ep=64),
+                vary=dict(ep=(8, 16, 128, 256)), solve=lambda ep: DEEPSEEK_V3.routed_experts / ep,
+                wrong={"the shared expert counted too": lambda ep: (DEEPSEEK_V3.routed_experts + 1) / ep,
+                       "the experts a token uses, k": lambda ep: DEEPSEEK_V3.k},
                 hint="see 'Edge cases that are errors' and 'DeepSeek-V3 at scale' (the chapter's section 9)"),
 ]

@@ -28,22 +28,29 @@ starts with ``your_numbers(student, token, lab)``: from then on the check lines 
 numbers. The grader trusts no token in a notebook: it derives the token again from the student's name and the
 secret, which never leaves the instructor's machine, and marks the answers the kernel reported itself
 (:func:`remark`). A question whose answer cannot vary says why in ``fixed``.
+
+**Named wrong answers.** ``wrong`` lists what the plausible slips answer, by name (a number, or for a varied
+question a function of its numbers, like ``solve``). The tolerance must keep each of them out for every set of
+numbers the question can ask: ``tests/grading/test_quiz_tolerances.py`` checks that the point halfway between the
+key and each named wrong answer fails, so a looser tolerance, or a variant that brings a slip too close to the key,
+fails the test instead of passing a student's slip.
 """
 
 from __future__ import annotations
 
 import hashlib
 import hmac
+import itertools
 import math
 import numbers
 import random
-from dataclasses import dataclass
-from typing import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Callable, Iterator, Sequence
 
 from distlab.grading import CheckFailed
 from distlab.grading.registry import Exercise, exercises_of_lab, find_exercise
 
-__all__ = ["number", "choice", "Variation", "student_token", "your_numbers", "answer_given", "remark"]
+__all__ = ["number", "choice", "Variation", "NumberCheck", "student_token", "your_numbers", "answer_given", "remark"]
 
 # The token of the student whose released notebook called :func:`your_numbers` in this kernel.
 _student: dict[str, str] = {}
@@ -112,13 +119,49 @@ class Variation:
         return self.title(self.current(question_id))
 
 
+@dataclass(frozen=True, eq=False)
+class NumberCheck:
+    """A numeric question's checker: the key (``answer``, or ``variation``'s for the numbers this kernel asks),
+    the tolerance, and the named wrong answers it must keep out (the module's docstring)."""
+
+    question_id: str
+    answer: float
+    rel_tol: float
+    abs_tol: float
+    hint: str
+    variation: Variation | None = None
+    wrong: dict[str, float | Callable[..., float]] = field(default_factory=dict)
+
+    def __call__(self, given_answer) -> str:
+        key = self.variation.answer(self.variation.current(self.question_id)) if self.variation else self.answer
+        return _judge(given_answer, key, self.rel_tol, self.abs_tol, self.hint, self.question_id)
+
+    def accepts(self, given: float, key: float) -> bool:
+        return math.isclose(given, key, rel_tol=self.rel_tol, abs_tol=self.abs_tol)
+
+    def variants(self) -> Iterator[tuple[dict, float, dict[str, float]]]:
+        """Every set of numbers the question can ask (the chapter's, and each combination :meth:`Variation.numbers`
+        can draw), with its key and what each named wrong answer comes to there."""
+        if self.variation is None:
+            yield {}, self.answer, {name: float(wrong) for name, wrong in self.wrong.items()}
+            return
+        given, vary = self.variation.given, self.variation.vary
+        for drawn in itertools.product(*((given[name], *others) for name, others in vary.items())):
+            values = {**given, **dict(zip(vary, drawn))}
+            yield values, self.variation.answer(values), {name: float(wrong(**values))
+                                                          for name, wrong in self.wrong.items()}
+
+
 def number(question_id: str, title: str, answer: float | None = None, *, rel_tol: float = 0.01,
            abs_tol: float = 0.0, points: int = 1, hint: str = "", given: dict | None = None,
-           vary: dict | None = None, solve: Callable[..., float] | None = None, fixed: str = "") -> Exercise:
+           vary: dict | None = None, solve: Callable[..., float] | None = None, fixed: str = "",
+           wrong: dict[str, float | Callable[..., float]] | None = None) -> Exercise:
     """A numeric question: correct within ``rel_tol`` (relative) or ``abs_tol`` (absolute).
 
     Either a fixed ``answer`` (``fixed`` says why no number of it can vary), or ``given``/``vary``/``solve``:
-    a per-student variant whose answer is ``solve`` of the student's numbers (the module's docstring)."""
+    a per-student variant whose answer is ``solve`` of the student's numbers (the module's docstring).
+    ``wrong``: the named wrong answers the tolerance must keep out, numbers for a fixed question, functions of
+    the numbers (as ``solve``) for a varied one."""
     variation = None
     if solve is not None:
         if answer is not None or not given or not vary or set(vary) - set(given):
@@ -128,11 +171,7 @@ def number(question_id: str, title: str, answer: float | None = None, *, rel_tol
         title, answer = variation.title(given), variation.answer(given)
     elif answer is None:
         raise ValueError(f"{question_id}: give an answer, or given, vary and solve")
-
-    def checker(given_answer) -> str:
-        key = variation.answer(variation.current(question_id)) if variation is not None else answer
-        return _judge(given_answer, key, rel_tol, abs_tol, hint, question_id)
-
+    checker = NumberCheck(question_id, answer, rel_tol, abs_tol, hint, variation, dict(wrong or {}))
     return Exercise(question_id, title, points, checker, answer=answer, variation=variation, fixed=fixed)
 
 

@@ -1,14 +1,18 @@
 """3D parallelism: the process-group grid, and DP × PP × TP training composed from labs 05 and 06.
 
 A job of ``world = dp · pp · tp`` ranks is a grid: rank ``r`` sits at coordinates
-``(d, s, t)`` of ``arange(world).view(dp, pp, tp)`` (picotron's layout, Megatron-LM's
-default order). TP is the innermost axis, so a TP group is ``tp`` *consecutive* ranks:
+``(d, s, t)`` of ``arange(world).view(dp, pp, tp)`` (picotron's layout, ``ProcessGroupManager``
+in ``picotron/process_group_manager.py``; Llama 3's order [TP, CP, PP, DP] from the inside out,
+Dubey et al. 2024, §3.3.2). Megatron-LM numbers its ranks otherwise by default: PP outermost, then DP
+(:data:`MEGATRON_ORDER`; ``Grid(..., order=MEGATRON_ORDER)`` and :func:`order_table` show both).
+TP is the innermost axis in both, so a TP group is ``tp`` *consecutive* ranks:
 with ``tp`` dividing the GPUs per node, every TP group lives inside one node, on NVLink —
 TP communicates inside every layer, forward and backward, and cannot afford the network.
 PP is next (one point-to-point message per micro-batch per stage boundary), DP outermost
 (one gradient all-reduce per step, which overlaps with backward).
 
-* :class:`Grid` — the arithmetic: coordinates, every group of every axis, which axes stay in a node;
+* :class:`Grid` — the arithmetic: coordinates, every group of every axis, which axes stay in a node, in
+  either rank order (:func:`order_table` prints them side by side);
 * :func:`process_groups` — the real ``torch.distributed`` groups of this rank (and the pipeline's
   point-to-point channels); :func:`device_mesh_groups` — the same from PyTorch's ``init_device_mesh``;
 * :func:`parallel3d_worker` — training on the grid: each stage of lab 06's pipeline is a slice of
@@ -47,12 +51,19 @@ from distlab.tensor_parallel import TensorParallelGPT, check_tp_sizes, shard_of,
 from distlab.zero.flat import Axis
 from distlab.zero.optim import ShardedOptimizer
 
-__all__ = ["AXES", "Grid", "ProcessGroups", "process_groups", "device_mesh_groups", "group_ranks_worker",
-           "average_gradients", "check_3d_setup", "parallel3d_worker", "replica_losses", "reference_run",
-           "compare_with_reference",
-           "measured_bytes_per_axis", "train"]
+__all__ = ["AXES", "MEGATRON_ORDER", "Grid", "order_table", "ProcessGroups", "process_groups", "device_mesh_groups",
+           "group_ranks_worker", "average_gradients", "check_3d_setup", "parallel3d_worker", "replica_losses",
+           "reference_run", "compare_with_reference", "measured_bytes_per_axis", "train"]
 
-AXES = ("dp", "pp", "cp", "tp")  # outermost to innermost, Llama 3's order
+AXES = ("dp", "pp", "cp", "tp")  # outermost to innermost, Llama 3's order: the coordinates, and distlab's rank order
+# Megatron-LM's default rank order, outermost to innermost: initialize_model_parallel(order="tp-cp-ep-dp-pp") in
+# megatron/core/parallel_state.py names the axes from the innermost out (RankGenerator: rank = tp + dp·tp + pp·tp·dp
+# with cp = ep = 1). DP sits inside PP: its groups have stride tp, a pipeline's stages stride tp·dp.
+MEGATRON_ORDER = ("pp", "dp", "cp", "tp")
+ORDER_SOURCES = {"distlab": "picotron's (picotron/process_group_manager.py, ProcessGroupManager) and Llama 3's "
+                             "[TP, CP, PP, DP] from the inside out (Dubey et al. 2024, §3.3.2)",
+                 "Megatron-LM": 'megatron/core/parallel_state.py, initialize_model_parallel(order="tp-cp-ep-dp-pp"), '
+                                "the axes named from the innermost out"}
 
 
 @dataclass(frozen=True)
@@ -61,18 +72,23 @@ class Grid:
 
     ``cp`` (context parallelism, lab 07) sits between PP and TP when it is used, as in Llama 3
     (``[TP, CP, PP, DP]`` from the inside out); the training run here keeps ``cp = 1``.
+    ``order`` numbers the ranks: the axes outermost to innermost (:data:`AXES`, or Megatron-LM's
+    :data:`MEGATRON_ORDER`); coordinates are named by axis whatever the order.
     """
 
     dp: int = 1
     pp: int = 1
     tp: int = 1
     cp: int = 1
+    order: tuple[str, ...] = AXES
 
     def __post_init__(self) -> None:
         for axis in AXES:
             value = getattr(self, axis)
             if isinstance(value, bool) or not isinstance(value, int) or value < 1:
                 raise ValueError(f"{axis}={value!r} must be a positive integer")
+        if sorted(self.order) != sorted(AXES):
+            raise ValueError(f"order={self.order!r} must name each of {AXES} once, outermost first")
 
     @property
     def world(self) -> int:
@@ -96,15 +112,16 @@ class Grid:
                              f"start {self.world} ranks or change the degrees")
 
     def ranks(self) -> torch.Tensor:
-        """The grid itself: ``ranks()[d, s, c, t]`` is the global rank at those coordinates."""
-        return torch.arange(self.world).view(self.dp, self.pp, self.cp, self.tp)
+        """The grid itself: ``ranks()[d, s, c, t]`` is the global rank at those coordinates, in either order."""
+        numbered = torch.arange(self.world).view(*(self.shape[axis] for axis in self.order))
+        return numbered.permute(*(self.order.index(axis) for axis in AXES))
 
     def coords(self, rank: int) -> dict[str, int]:
         """``{"dp": d, "pp": s, "cp": c, "tp": t}`` of a global rank."""
         if not 0 <= rank < self.world:
             raise ValueError(f"rank {rank} is outside a grid of {self.world} ranks")
         coords = {}
-        for axis in reversed(AXES):
+        for axis in reversed(self.order):
             rank, coords[axis] = divmod(rank, getattr(self, axis))
         return {axis: coords[axis] for axis in AXES}
 
@@ -129,6 +146,25 @@ class Grid:
     def inside_node(self, gpus_per_node: int) -> dict[str, bool]:
         """For each axis: whether all its groups stay inside one node (ranks fill nodes in order)."""
         return {axis: self.nodes_spanned(axis, gpus_per_node) == 1 for axis in AXES}
+
+
+def order_table(grid: Grid) -> str:
+    """Each rank's group along every axis under distlab's order and under Megatron-LM's default, side by side, and
+    where Megatron's comes from: the same degrees, other groups."""
+    grids = {"distlab": Grid(grid.dp, grid.pp, grid.tp, grid.cp), "Megatron-LM": Grid(grid.dp, grid.pp, grid.tp,
+                                                                                   grid.cp, MEGATRON_ORDER)}
+    axes = grids["distlab"].axes
+
+    def groups(g: Grid, rank: int) -> str:
+        return "  ".join(f"{axis} {g.group_of(rank, axis)}" for axis in axes)
+
+    width = len(groups(grids["distlab"], grid.world - 1))
+    lines = [f"{'':7}" + " | ".join(f"{name + ' (' + ' > '.join(a for a in g.order if a in axes) + ')':{width}}"
+                                    for name, g in grids.items())]
+    lines += [f"rank {rank:<2}" + " | ".join(f"{groups(g, rank):{width}}" for g in grids.values())
+              for rank in range(grid.world)]
+    lines += [f"{name}'s order: {source}" for name, source in ORDER_SOURCES.items()]
+    return "\n".join(line.rstrip() for line in lines)
 
 
 @dataclass
@@ -169,9 +205,11 @@ def process_groups(grid: Grid) -> ProcessGroups:
 
 
 def device_mesh_groups(grid: Grid) -> dict[str, list[int]]:
-    """This rank's group along each axis, as PyTorch's ``init_device_mesh`` builds them."""
+    """This rank's group along each axis, as PyTorch's ``init_device_mesh`` builds them (its dimensions in the grid's
+    order: the mesh numbers ranks as ``arange(world).view(shape)``)."""
     grid.check_world(dist.get_world_size())
-    mesh = init_device_mesh(device().type, tuple(grid.shape[a] for a in grid.axes), mesh_dim_names=grid.axes)
+    dims = tuple(axis for axis in grid.order if axis in grid.axes)
+    mesh = init_device_mesh(device().type, tuple(grid.shape[a] for a in dims), mesh_dim_names=dims)
     return {axis: dist.get_process_group_ranks(mesh[axis].get_group()) for axis in grid.axes}
 
 
