@@ -33,7 +33,7 @@ from distlab.grading.submissions import (
     write_feedback,
     write_gradescope,
 )
-from distlab.notebooks import build_labs, execute, tag_grader_skips
+from distlab.notebooks import build_labs, execute, set_kernelspec, stale_kernelspecs, tag_grader_skips
 
 # Subcommands that own their argument parsing: name -> "module:function(argv) -> int".
 DELEGATED = {"data": "distlab.data.cli:main", "doctor": "distlab.doctor:main"}
@@ -51,24 +51,33 @@ def _labs(args) -> int:
         names = ", ".join(str(p) for p in stale)
         print(f"labs/ is out of sync with solutions/: {names}\nrun `make labs` (or `distlab labs`) and commit.")
         return 1
+    respec = stale_kernelspecs(sorted(Path(args.solutions).glob("[0-9][0-9]_*.ipynb")))
+    if args.check and respec:
+        print(f"these solutions name another kernelspec than distlab.notebooks.KERNELSPEC: "
+              f"{', '.join(map(str, respec))}\nrun `make labs` (`distlab notebooks tag` stores it) and commit.")
+        return 1
     verb = "in sync" if args.check else f"rebuilt {len(stale)}"
     print(f"labs: {verb} ({len(list(Path(args.solutions).glob('[0-9][0-9]_*.ipynb')))} notebooks)")
     return 0
 
 
 def _tag(args) -> int:
-    """Keep each solution's ``grader-skips`` tags on exactly the cells no check needs; with --check, only say."""
+    """Keep each solution's ``grader-skips`` tags on exactly the cells no check needs, and its kernelspec the
+    installed kernel's (``distlab.notebooks.KERNELSPEC``); with --check, only say."""
     stale = []
     for path in args.paths:
         notebook = nbformat.read(path, as_version=4)
-        if tag_grader_skips(notebook):
+        retagged = tag_grader_skips(notebook)
+        if set_kernelspec(notebook) or retagged:
             stale.append(path)
             if not args.check:
                 nbformat.write(notebook, path)
     if args.check and stale:
-        print(f"grader-skips tags are stale in {', '.join(stale)}: run `distlab notebooks tag {' '.join(stale)}`")
+        print(f"grader-skips tags or the kernelspec are stale in {', '.join(stale)}: "
+              f"run `distlab notebooks tag {' '.join(stale)}`")
         return 1
-    print(f"grader-skips tags: {'stale in ' + str(len(stale)) if stale else 'current in all'} of {len(args.paths)}")
+    print(f"grader-skips tags and kernelspec: {'updated in ' + str(len(stale)) if stale else 'current in all'} "
+          f"of {len(args.paths)}")
     return 0
 
 
