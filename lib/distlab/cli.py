@@ -92,7 +92,8 @@ def _grade(args) -> int:
     submissions = collect(args.paths)
     missing = [str(p) for p, _ in submissions if not p.is_file()]
     if missing or not submissions:
-        print(f"distlab grade: no such notebook: {', '.join(missing) or ' '.join(args.paths)}", file=sys.stderr)
+        print(f"distlab grade: no such notebook: {', '.join(missing) or ' '.join(args.paths)}"
+              + _unmatched_pattern_hint(missing), file=sys.stderr)
         return 2
     if args.changed and not args.json:
         print("distlab grade: --changed needs --json FILE (the last report, which it reads and rewrites)",
@@ -104,6 +105,9 @@ def _grade(args) -> int:
             if deadline else {}
     except ValueError as error:
         print(f"distlab grade: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:  # only --times is opened here: the notebooks were found above
+        print(f"distlab grade: --times {args.times}: {error.strerror or error}", file=sys.stderr)
         return 2
     try:
         secret = read_secret(args.secret_file) if args.secret_file else None
@@ -149,6 +153,20 @@ def _grade(args) -> int:
     if args.feedback:
         write_feedback(report, args.feedback)
     return 0 if report["ok"] else 1
+
+
+def _unmatched_pattern_hint(missing: list[str]) -> str:
+    """What to pass instead when a shell pattern reached the grader unexpanded: it matched no file, typically
+    ``submissions/*.ipynb`` in a class whose notebooks sit in one folder per student (``distlab release``'s
+    layout), which the folder itself grades."""
+    patterns = [m for m in missing if any(c in m for c in "*?[")]
+    if not patterns:
+        return ""
+    folder = Path(patterns[0]).parent
+    while any(c in str(folder) for c in "*?[") and folder != folder.parent:
+        folder = folder.parent
+    return (f" (the pattern matched no file; for one folder per student, as `distlab release` writes them, "
+            f"pass the folder: distlab grade {folder}/)")
 
 
 def _release(args) -> int:
