@@ -18,11 +18,22 @@ export TIKTOKEN_CACHE_DIR ?= $(abspath $(VENV_TIKTOKEN))
 
 .PHONY: install lab test test-latest lock browser-deps solutions labs bench gpu-check clean
 
+# The interpreter .venv is made from: Python 3.10-3.13 with its venv module (a separate package on Debian and
+# Ubuntu, python3-venv). Another one is chosen with `make lab PYTHON=python3.12`. Each way this fails is one line,
+# and a half-made .venv is removed, so the next `make` starts clean.
+MAKE_VENV = { command -v $(PYTHON) >/dev/null || { echo "make: no $(PYTHON) on PATH; name a Python 3.10-3.13 with \
+	make lab PYTHON=python3.12" >&2; exit 1; }; } && \
+	$(PYTHON) -c 'import sys; sys.exit(0 if (3, 10) <= sys.version_info[:2] <= (3, 13) else "make: $(PYTHON) is \
+	Python %d.%d; distlab needs 3.10-3.13: make lab PYTHON=python3.12 (or another 3.10-3.13)" % sys.version_info[:2])' \
+	&& { $(PYTHON) -m venv $(VENV) >/dev/null 2>&1 || { rm -rf $(VENV); echo "make: $(PYTHON) -m venv failed: \
+	on Debian/Ubuntu install python3-venv (python3.X-venv for PYTHON=python3.X), or without root use conda \
+	(README.md)" >&2; exit 1; }; }
+
 # Every dependency but torch installs at the exact version in $(LOCK) (one file, every transitive version,
 # Python 3.10-3.13 on Linux and macOS), so a course that passes today passes next term. `make lock` writes it;
 # CONTRIBUTING says when. torch stays outside the lock: installed only where missing, the CPU wheel by default.
 $(STAMP): pyproject.toml $(LOCK)
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@test -x $(PY) || $(MAKE_VENV)
 	$(REAL_PY) -m pip install -q --upgrade pip
 	# Install torch only where it is missing: never replace a torch Colab/Kaggle/the user brought.
 	$(REAL_PY) -c "import torch" 2>/dev/null || $(REAL_PY) -m pip install -q "$(TORCH_PIN)" || \
