@@ -24,7 +24,6 @@ from contextlib import contextmanager
 
 import torch
 
-from distlab.data_parallel import build_model, gradient_bytes
 from distlab.grading import CheckFailed
 from distlab.runtime.launch import (
     DEFAULT_COLLECTIVE_TIMEOUT,
@@ -35,6 +34,7 @@ from distlab.runtime.launch import (
     UnmatchedCommunication,
     launch,
 )
+from distlab.workload import build_model, gradient_bytes
 
 __all__ = ["GRADE_SEED_VARIABLE", "JOB_TIMEOUT", "LONG_JOB_TIMEOUT", "ATOL", "WEIGHT_ATOL", "lab_seed", "rank_seed",
            "case_gradient_bytes", "first_line", "raise_if_untouched", "launch_failures_fail_the_check", "run_on_ranks",

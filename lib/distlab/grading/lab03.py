@@ -3,7 +3,7 @@
 Every case trains a small GPT for a few SGD steps on 2-4 ranks (each rank on its
 slice of the global batch, rank 0's weights broadcast to the others) and compares
 every rank's weights after every step with a single-process run on the full batch
-(:func:`distlab.data_parallel.reference_run`), to 1e-6. On a mismatch the message
+(:func:`distlab.workload.reference_run`), to 1e-6. On a mismatch the message
 names the parameter, the step and the rank, and — since one plain SGD step moves a
 weight by ``-lr·grad`` — the factor between the student's update and the reference's,
 with the usual cause ("summed but not divided by world size?"). Communication is
@@ -27,15 +27,7 @@ import torch
 import torch.distributed as dist
 
 from distlab.collectives import ring_all_reduce_bytes
-from distlab.data_parallel import (
-    OverlappedDDP,
-    assign_buckets,
-    build_model,
-    local_batches,
-    pytorch_buckets,
-    reference_run,
-    train_step,
-)
+from distlab.data_parallel import OverlappedDDP, assign_buckets, pytorch_buckets, train_step
 from distlab.data_parallel import broadcast_parameters as reference_broadcast
 from distlab.flops import mfu
 from distlab.grading import CheckFailed, quiz
@@ -52,6 +44,7 @@ from distlab.grading.harness import (
 from distlab.grading.registry import Exercise
 from distlab.model import GPTConfig
 from distlab.reference import make_optimizer
+from distlab.workload import build_model, local_batches, reference_run
 
 
 def _seed() -> int:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from distlab.data_parallel import broadcast_parameters, build_model, local_batches
+from distlab.data_parallel import broadcast_parameters
 from distlab.grading import CheckFailed, quiz
 from distlab.grading.harness import case_gradient_bytes, first_line, lab_seed, rank_seed, run_on_ranks
 from distlab.grading.lab03 import Case as _DDPCase
@@ -37,6 +37,7 @@ from distlab.grading.registry import Exercise
 from distlab.memory import ActivationMeter, bytes_per_param
 from distlab.model import GPT, GPTConfig, synthetic_batch
 from distlab.runtime.launch import RankCrashed, RankFailed
+from distlab.workload import build_model, local_batches
 from distlab.zero import (
     Axis,
     FlatParam,
