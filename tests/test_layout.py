@@ -62,8 +62,10 @@ def imports_of(module: str, path: Path) -> list[tuple[int, str]]:
     return [(line, target) for line, target, _ in import_sites(module, path)]
 
 
+@functools.cache
 def import_sites(module: str, path: Path) -> list[tuple[int, str, bool]]:
-    """Every distlab module ``module`` imports: the line, the module, and whether the import sits in a function."""
+    """Every distlab module ``module`` imports: the line, the module, and whether the import sits in a function
+    (read once per module: the layer test and the import graph share it)."""
     package = module if path.name == "__init__.py" else module.rpartition(".")[0]
     found = []
 
@@ -241,11 +243,11 @@ def test_the_checks_above_can_fail():
     assert hidden_circles(graph) == ["distlab.b line 9 imports distlab.a inside a function, and distlab.a imports "
                                      "distlab.b back"]
     assert lab_to_lab(graph) == ["distlab.grading.lab05 line 7 imports distlab.grading.lab03"]
-    path = PACKAGE / "runtime" / "__layout_probe__.py"
+    path = PACKAGE / "runtime" / "__layout_probe_local__.py"
     try:
         path.write_text("import distlab.runtime.comm\n\ndef f():\n    from distlab.runtime import rank\n",
                         encoding="utf-8")
-        sites = import_sites("distlab.runtime.__layout_probe__", path)
+        sites = import_sites.__wrapped__("distlab.runtime.__layout_probe_local__", path)
     finally:
         path.unlink()
     assert sites == [(1, "distlab.runtime.comm", False), (4, "distlab.runtime.rank", True)], sites
