@@ -13,8 +13,8 @@ import pytest
 
 import distlab.grading as grading
 from distlab.grading.cells import cells_to_skip, python_source
-from distlab.grading.classroom import grade_notebook, lab_number
-from distlab.grading.registry import Exercise, all_exercises, exercises_of_lab
+from distlab.grading.classroom import grade_notebook
+from distlab.grading.registry import Exercise, all_exercises, exercises_of_lab, lab_number
 from distlab.notebooks import (
     KERNELSPEC,
     NotebookError,

@@ -11,11 +11,11 @@ import torch.distributed as dist
 import torch.nn as nn
 
 import distlab
-from distlab.data_parallel import reference_run
 from distlab.grading import CheckFailed, lab04
 from distlab.memory import bytes_per_param
 from distlab.model import GPT, Block, GPTConfig
 from distlab.reference import max_abs_diff
+from distlab.workload import reference_run
 from distlab.zero import (
     FlatLayout,
     alloc_storage,

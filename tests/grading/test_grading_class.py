@@ -16,9 +16,9 @@ from distlab.grading.classroom import (
     class_report,
     format_report,
     grade_notebooks,
-    student_names,
 )
 from distlab.grading.registry import find_exercise
+from distlab.grading.submissions import student_names
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.usefixtures("no_leftover_ranks")]

@@ -243,12 +243,6 @@ RIGHT = {"4.1": (Sharded,), "4.2": (reduce_scatter_grads,), "4.3": (right_unshar
 RIGHT_SAYS = {"4.1": "1/N of the state", "4.2": "fp32", "4.3": "1.5× DDP's bytes"}
 
 
-@pytest.fixture(scope="module", autouse=True)
-def warm_ranks():
-    yield
-    distlab.shutdown()
-
-
 @pytest.mark.parametrize("exercise, wrong, message", WRONG, ids=[f"{e}-{w[-1].__name__}" for e, w, _ in WRONG])
 def test_wrong_answer_fails_naming_the_mistake(exercise, wrong, message):
     result = distlab.check(exercise, *wrong, quiet=True)

@@ -4,7 +4,7 @@
 re-implements a filter: every decision is made by the stage classes the local engine runs; this module only
 decides *which documents meet in one process*, so that each stage still sees everything it needs.
 
-* **Phase 1**: :func:`~distlab.data.pipeline.process_file` is a Ray task per input file. It streams the file's
+* **Phase 1**: :func:`~distlab.data.phases.process_file` is a Ray task per input file. It streams the file's
   records through the per-document stages and writes ``work/<file>/`` with its ``done.json`` marker last, so a
   task whose worker dies is simply run again by Ray (``max_retries``): its half-written files are replaced, and
   its summary reaches the driver once. A run started again skips the files whose markers are there.
@@ -44,7 +44,7 @@ from distlab.data.dedup import NearDedup
 from distlab.data.document import Document, Ledger, Stage, StageStats, run_stages
 from distlab.data.line_dedup import LineDedup, document_frequencies
 from distlab.data.lineage import PurgeFilter, PurgeRules
-from distlab.data.pipeline import PipelineConfig, Selection, file_documents, near_dedup, process_file
+from distlab.data.phases import PipelineConfig, Selection, file_documents, near_dedup, process_file
 from distlab.data.shards import encode_documents
 from distlab.data.urls import RecordIdDedup, UrlDedup, normalize_url
 

@@ -3,7 +3,7 @@
 Every distributed case trains a small GPT (or the edge-case GPT with a frozen, an unused and a
 sometimes-used parameter) for a few SGD steps on 2-4 ranks, each rank starting from its own
 seed, and compares every rank's gathered weights after every step with a single-process run
-on the full batch, to 1e-6 (lab 03's :func:`~distlab.grading.lab03.compare_with_reference`,
+on the full batch, to 1e-6 (:func:`~distlab.grading.training_cases.compare_with_reference`,
 which names the parameter, the step, the rank and the factor its update is off by). On top,
 each stage is held to what makes it that stage, measured on the ranks:
 
@@ -28,15 +28,17 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from distlab.data_parallel import broadcast_parameters, build_model, local_batches
-from distlab.grading import CheckFailed, quiz
-from distlab.grading.harness import case_gradient_bytes, first_line, lab_seed, rank_seed, run_on_ranks
-from distlab.grading.lab03 import Case as _DDPCase
-from distlab.grading.lab03 import compare_with_reference
+from distlab.data_parallel import broadcast_parameters
+from distlab.grading import quiz
+from distlab.grading.contract import CheckFailed, first_line
+from distlab.grading.harness import case_gradient_bytes, lab_seed, rank_seed, run_on_ranks
 from distlab.grading.registry import Exercise
+from distlab.grading.training_cases import Case as _DDPCase
+from distlab.grading.training_cases import compare_with_reference
 from distlab.memory import ActivationMeter, bytes_per_param
 from distlab.model import GPT, GPTConfig, synthetic_batch
 from distlab.runtime.launch import RankCrashed, RankFailed
+from distlab.workload import build_model, local_batches
 from distlab.zero import (
     Axis,
     FlatParam,

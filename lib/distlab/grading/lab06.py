@@ -20,10 +20,11 @@ from __future__ import annotations
 
 import random
 
-from distlab.grading import CheckFailed, quiz
+from distlab.grading import quiz
+from distlab.grading.contract import CheckFailed
 from distlab.grading.harness import WEIGHT_ATOL, lab_seed, max_difference, run_on_ranks
-from distlab.grading.lab03 import _update_factor
 from distlab.grading.registry import Exercise
+from distlab.grading.training_cases import update_factor
 from distlab.model import GPTConfig
 from distlab.pipeline_parallel import (
     ScheduleError,
@@ -300,7 +301,7 @@ def _describe(case: dict) -> str:
 
 
 def _update_hint(got, ref, before, m: int) -> str:
-    factor = _update_factor(got, ref, before)
+    factor = update_factor(got, ref, before)
     if factor is None:
         return ""
     for target, why in ((m, f"the gradient is m={m} times too large: divide each micro-batch's loss by m"),

@@ -34,7 +34,8 @@ from distlab.collectives import ring_all_reduce_bytes
 from distlab.data.loader import ResumableTokenLoader, window_order
 from distlab.data.shards import SHARD_DTYPE
 from distlab.fault_tolerance.checkpoint import CheckpointError, checkpoint_path, save_checkpoint
-from distlab.grading import CheckFailed, describe_error, quiz
+from distlab.grading import quiz
+from distlab.grading.contract import CheckFailed, describe_error
 from distlab.grading.harness import lab_seed, raise_if_untouched
 from distlab.grading.registry import Exercise
 from distlab.memory import bytes_per_param

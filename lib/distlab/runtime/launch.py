@@ -43,6 +43,7 @@ from typing import Callable
 
 import torch
 
+from distlab.runtime import trace
 from distlab.runtime.comm import CommLog
 from distlab.runtime.errors import (
     CollectiveTimeout,
@@ -91,8 +92,6 @@ class Run(list):
 
     def trace(self, **options) -> dict:
         """This run as a Trace Event Format dict (see :func:`distlab.runtime.trace.from_run` for ``options``)."""
-        from distlab.runtime import trace  # noqa: PLC0415  trace imports this module (for Run)
-
         return trace.from_run(self, **options)
 
     def save_trace(self, path, **options):
@@ -101,8 +100,6 @@ class Run(list):
         ``options``: ``max_events`` (a cap; events past it are left out, with a warning saying how many),
         ``window=(start, end)`` seconds since the job was sent. See :mod:`distlab.runtime.trace`.
         """
-        from distlab.runtime import trace  # noqa: PLC0415  as above
-
         return trace.save(self.trace(**options), path)
 
     def save_memory_snapshots(self, folder) -> list[Path]:

@@ -22,13 +22,7 @@ import torch.nn as nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.nn.parallel import DistributedDataParallel
 
-from distlab.data_parallel import (
-    DEFAULT_BUCKET_CAP_BYTES,
-    _require_process_group,
-    broadcast_parameters,
-    build_model,
-    local_batches,
-)
+from distlab.data_parallel import DEFAULT_BUCKET_CAP_BYTES, _require_process_group, broadcast_parameters
 from distlab.flops import step_report
 from distlab.memory import tensor_bytes
 from distlab.model import Block, GPTConfig
@@ -36,6 +30,7 @@ from distlab.reference import make_optimizer
 from distlab.runtime import comm
 from distlab.runtime.rank import device as rank_device
 from distlab.runtime.timeline import span
+from distlab.workload import build_model, local_batches
 from distlab.zero.flat import Axis, check_shard_size, flat_params_of, gather_flat, mesh_axes
 from distlab.zero.fsdp import ZeRO3, checkpoint_module, plan_units
 from distlab.zero.optim import ShardedOptimizer
