@@ -27,6 +27,8 @@ def test_headless_a_bar_draws_nothing_and_still_iterates_and_counts(capfd):
         by_hand.set_postfix_str("dedup")
         by_hand.set_description("stage 2")
     assert by_hand.n == 2
+    resumed = progress.progress(range(10, 40), initial=10, desc="steps")
+    assert resumed.total == 40 and resumed.n == 10 and sum(1 for _ in resumed) == 30 and resumed.n == 40
     assert capfd.readouterr() == ("", "")
 
 
@@ -35,6 +37,9 @@ def test_at_a_terminal_the_bar_shows_count_rate_and_eta(watched, capfd):
         time.sleep(0.01)
     err = capfd.readouterr().err.replace("\r", "\n")
     assert re.search(r"files: 100%\|.*\| 4/4 \[\d\d:\d\d<\d\d:\d\d, +[\d.]+(file/s|s/file)\]", err), err
+    for _ in progress.progress(range(3), desc="switched off", disable=True):
+        pass
+    assert capfd.readouterr().err == ""
 
 
 def test_a_loop_inside_ranks_is_drawn_once_by_the_launcher(watched, capfd):

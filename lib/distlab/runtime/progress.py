@@ -11,8 +11,9 @@
   at all, so executed notebooks and their nbval comparisons never hold a bar. The object returned then counts
   and iterates like a bar, so a call site never needs an ``if``.
 
-The interface a call site may use is the part of tqdm's that both kinds share: iterating, ``update(n)``,
-``set_description``, ``set_postfix_str``, ``close``, ``n``, ``total``, and ``with``.
+The interface a call site may use is the part of tqdm's that both kinds share: the arguments ``total``,
+``desc``, ``unit``, ``initial`` and ``disable``; iterating, ``update(n)``, ``set_description``,
+``set_postfix_str``, ``close``, ``n``, ``total``, and ``with``.
 
 **Inside a rank.** A rank started by ``launch``/``Ranks`` writes its stderr to a file the launcher reads after
 the job, so a bar drawn there would show up, frozen, once the job is over. There ``progress`` *reports* instead:
@@ -39,34 +40,41 @@ _KEY = "distlab/progress/{rank}"
 _reporter: dict = {}  # inside a launched rank: the launcher's store port and this rank (report_to)
 
 
-def progress(iterable: Iterable | None = None, *, total: float | None = None, desc: str = "", unit: str = "it"):
-    """A progress bar over ``iterable`` (or of ``total`` steps updated by hand) for whoever watches (docstring)."""
+def progress(iterable: Iterable | None = None, *, total: float | None = None, desc: str = "", unit: str = "it",
+             initial: float = 0, disable: bool = False):
+    """A progress bar over ``iterable`` (or of ``total`` steps updated by hand) for whoever watches (docstring).
+
+    ``initial``: where the count starts (a run resumed at step 10 of 40); ``disable``: draw nothing even where
+    someone watches (a call site's own switch, as tqdm's)."""
     if total is None and iterable is not None and hasattr(iterable, "__len__"):
-        total = len(iterable)
+        total = initial + len(iterable)
+    if disable:
+        return _Silent(iterable, total, initial)
     if _reporter:
-        return _Reporting(iterable, total, desc, unit)
+        return _Reporting(iterable, total, initial, desc, unit)
     if os.environ.get("TORCHELASTIC_RUN_ID") and os.environ.get("RANK", "0") != "0":
-        return _Silent(iterable, total)
+        return _Silent(iterable, total, initial)
     shown_to = audience()
     if shown_to == "headless":
-        return _Silent(iterable, total)
+        return _Silent(iterable, total, initial)
     if shown_to == "notebook":
         try:
             from tqdm.notebook import tqdm as notebook_bar  # noqa: PLC0415  ipywidgets, only for a notebook
 
-            return notebook_bar(iterable, total=total, desc=desc, unit=unit)
+            return notebook_bar(iterable, total=total, desc=desc, unit=unit, initial=initial)
         except ImportError:  # tqdm.notebook without ipywidgets: the text bar below still shows in the cell
             pass
     from tqdm.std import tqdm as text_bar  # noqa: PLC0415  tqdm only where a bar is drawn
 
-    return text_bar(iterable, total=total, desc=desc, unit=unit, file=sys.stderr, dynamic_ncols=True)
+    return text_bar(iterable, total=total, desc=desc, unit=unit, initial=initial, file=sys.stderr,
+                    dynamic_ncols=True)
 
 
 class _Silent:
     """What ``progress`` returns where nobody watches: it iterates and counts, and draws nothing."""
 
-    def __init__(self, iterable, total):
-        self.iterable, self.total, self.n = iterable, total, 0
+    def __init__(self, iterable, total, initial: float = 0):
+        self.iterable, self.total, self.n = iterable, total, initial
 
     def __iter__(self):
         for item in self.iterable:
@@ -111,8 +119,8 @@ def _store():
 class _Reporting(_Silent):
     """A rank's bar: counts like a bar and sends the count to the launcher, which draws it."""
 
-    def __init__(self, iterable, total, desc: str, unit: str):
-        super().__init__(iterable, total)
+    def __init__(self, iterable, total, initial: float, desc: str, unit: str):
+        super().__init__(iterable, total, initial)
         self.desc, self.unit, self._sent_at = desc, unit, None
         self._send()
 
@@ -166,8 +174,8 @@ class RankBars:
         totals = [_number(total) for _, total, _, _ in reports if total]
         shape = (reports[0][3], max(totals) if totals else None, reports[0][2])
         if shape != self.shape:  # the ranks started another loop
-            self.close()
-            self.bar, self.shape = progress(total=shape[1], desc=shape[0], unit=shape[2]), shape
+            self.close()  # the new bar starts where the ranks are: its rate counts only the steps it saw
+            self.bar, self.shape = progress(total=shape[1], desc=shape[0], unit=shape[2], initial=done), shape
         if done > self.bar.n:
             self.bar.update(done - self.bar.n)
 
