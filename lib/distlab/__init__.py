@@ -90,6 +90,19 @@ class _MovedModuleFinder(importlib.abc.MetaPathFinder, importlib.abc.Loader):
 sys.meta_path.append(_MovedModuleFinder())
 
 
+def load_ipython_extension(ipython) -> None:
+    """``%load_ext distlab``: the ``%%ranks`` cell magic (:mod:`distlab.runtime.magic`)."""
+    from distlab.runtime import magic  # noqa: PLC0415  IPython's magic machinery only for a notebook that asks
+
+    magic.load_ipython_extension(ipython)
+
+
+def unload_ipython_extension(ipython) -> None:
+    from distlab.runtime import magic  # noqa: PLC0415  as above
+
+    magic.unload_ipython_extension(ipython)
+
+
 def __getattr__(name: str):
     """``distlab.timeline.plot(...)`` after a bare ``import distlab``, as before the move (with the warning)."""
     if f"distlab.{name}" in MOVED_MODULES:

@@ -43,7 +43,7 @@ from typing import Callable
 
 import torch
 
-from distlab.runtime import trace
+from distlab.runtime import diagnose, output, trace
 from distlab.runtime.comm import CommLog
 from distlab.runtime.errors import (
     CollectiveTimeout,
@@ -55,7 +55,7 @@ from distlab.runtime.errors import (
     ReturnValueError,
     UnmatchedCommunication,
 )
-from distlab.runtime.group import LIVE_GROUPS, JobResult, Phase, RankGroup, print_rank_output
+from distlab.runtime.group import LIVE_GROUPS, JobResult, Phase, RankGroup
 from distlab.runtime.interrupts import InterruptGuard, close_quietly
 from distlab.runtime.timeline import Counter, Span
 
@@ -209,8 +209,7 @@ def default_threads(world_size: int) -> int:
 
 
 def _interrupted(world_size: int) -> LaunchInterrupted:
-    return LaunchInterrupted(
-        f"launch interrupted: all {world_size} ranks were stopped; the next launch starts fresh")
+    return diagnose.interrupted(world_size)
 
 
 # ---------------------------------------------------------------- public API
@@ -273,14 +272,14 @@ def launch(fn: Callable, world_size: int = 4, args: tuple = (), kwargs: dict | N
         try:
             group = RankGroup(world_size, backend, collective_timeout, threads or default_threads(world_size))
             run = _one_job(group, fn, args, kwargs, timeout, profile, backend, memory_snapshot)
-        except KeyboardInterrupt:
-            raise _interrupted(world_size) from None
+        except KeyboardInterrupt as error:  # the group's own report says what each rank was doing
+            raise (error if isinstance(error, LaunchInterrupted) else _interrupted(world_size)) from None
         finally:
             close_quietly(group, guard)
         if guard.absorbed:
             raise _interrupted(world_size)
     if show_output:
-        print_rank_output(run.stdout, run.stderr)
+        output.show(run.stdout, run.stderr)
     return run
 
 
@@ -338,8 +337,17 @@ class Ranks:
                     raise _interrupted(self.world_size) from None
                 raise
         if show_output:
-            print_rank_output(run.stdout, run.stderr)
+            output.show(run.stdout, run.stderr)
         return run
+
+    @property
+    def alive(self) -> bool:
+        """True while this group's ranks are up: not yet started, closed, or ended by a failure is False."""
+        return self._group is not None and self._group.alive
+
+    def processes(self) -> list[tuple[int, int | None]]:
+        """(pid, exit code) of each rank, the code None while it runs; empty when no ranks are up or kept."""
+        return [(proc.pid, proc.exitcode) for proc in self._group.procs] if self._group is not None else []
 
     def close(self) -> None:
         group, self._group = self._group, None
