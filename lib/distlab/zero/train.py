@@ -37,7 +37,7 @@ from distlab.zero.optim import ShardedOptimizer
 from distlab.zero.zero2 import ZeRO2
 
 __all__ = ["STAGES", "WRAP_POLICIES", "compute_dtype", "validate", "make_engine", "state_bytes", "full_state_dict",
-           "comm_snapshot", "comm_per_step", "peak_memory", "train_worker", "train", "run_exercise"]
+           "comm_snapshot", "comm_per_step", "device_mesh", "peak_memory", "train_worker", "train", "run_exercise"]
 
 STAGES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
 WRAP_POLICIES = {"block": (Block,), "model": ()}  # one unit per transformer block, or one for the whole model
@@ -140,7 +140,7 @@ def _torch_engine(stage: int, module: nn.Module, optimizer: str, lr: float, dtyp
     )
 
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
-    mesh = _device_mesh(shard_size)
+    mesh = device_mesh(shard_size)
     for m in module.modules():
         if m is not module and isinstance(m, WRAP_POLICIES[wrap]):
             fully_shard(m, mesh=mesh, mp_policy=policy)
@@ -151,7 +151,7 @@ def _torch_engine(stage: int, module: nn.Module, optimizer: str, lr: float, dtyp
 _meshes: dict = {}
 
 
-def _device_mesh(shard_size: int | None):
+def device_mesh(shard_size: int | None):
     """FSDP2's mesh, made once per rank process: 1-D, or (replicate, shard) for HSDP."""
     world = dist.get_world_size()
     shard_size = shard_size or world
