@@ -23,6 +23,7 @@ from distlab.capstone.report import (
     responsible_term,
     runnable,
     runnable_best,
+    stage_trace,
 )
 from distlab.capstone.train import (
     GridTrainState,
@@ -41,4 +42,4 @@ from distlab.capstone.train import (
 __all__ = ["GridTrainState", "capstone_worker", "checkpoint_weights", "clip_global_norm", "dense_state", "evaluate",
            "lr_at",
            "reference_losses", "replica_losses", "resume_from_latest", "RunCard", "card_rows", "derive_report",
-           "runnable_best", "OFF_BY", "BAND", "measured_terms", "responsible_term", "runnable", "train"]
+           "runnable_best", "OFF_BY", "BAND", "measured_terms", "responsible_term", "runnable", "stage_trace", "train"]

@@ -22,8 +22,8 @@ from distlab.parallel3d.planner import Estimate, Layout, Plan, bytes_per_axis
 from distlab.pipeline_parallel import STAGE_WORK, trace_bubble
 from distlab.runtime import trace as trace_format
 
-__all__ = ["runnable", "runnable_best", "derive_report", "measured_terms", "responsible_term", "RunCard", "card_rows",
-           "OFF_BY", "BAND"]
+__all__ = ["runnable", "runnable_best", "stage_trace", "derive_report", "measured_terms", "responsible_term", "RunCard",
+           "card_rows", "OFF_BY", "BAND"]
 
 OFF_BY = 0.25  # a measurement below (1 − OFF_BY) × or above 1/(1 − OFF_BY) × its prediction is OFF: within a third
 BAND = (1 - OFF_BY, 1 / (1 - OFF_BY))  # 0.75 … 1.33, the same for every figure of the card
@@ -51,6 +51,19 @@ def runnable_best(result: Plan, axes: tuple[str, ...] = ()) -> Estimate:
                      f"sequences: {why}")
 
 
+_CARD_SLICES = re.compile(rf"step\d+$|{STAGE_WORK[1:]}")
+
+
+def stage_trace(trace: dict) -> dict:
+    """The part of a run's trace the card reads: each rank's ``step<k>`` slices and its forward and backward slices,
+    with the trace's metadata. :func:`~distlab.pipeline_parallel.trace_bubble` reads the whole trace it is given on
+    every call, once per step, and the communication slices are most of a run's trace: given this instead, the card
+    of a 40-step run on 8 ranks is read in a fraction of the time, with the same figures."""
+    keep = [e for e in trace["traceEvents"] if e.get("ph") == "M" or (e.get("ph") == "X"
+                                                                      and _CARD_SLICES.match(e.get("name", "")))]
+    return {**trace, "traceEvents": keep}
+
+
 def _median_over_steps(records, steps, value) -> float:
     """Median over ``steps`` of the slowest rank's ``value(record, step)``: a step ends when its last rank does."""
     return statistics.median(max(value(r, k) for r in records) for k in steps)
@@ -71,6 +84,7 @@ def derive_report(records, trace: dict, flops_per_token: float, tokens_per_step:
     busiest rank's idle share, :func:`~distlab.pipeline_parallel.trace_bubble`) and the payload each axis carries per
     step (the message sizes handed to the collectives and sends: median over steps of the most any rank handed)."""
     steps = _steps(records, skip)
+    trace = stage_trace(trace)
     step_time = _median_over_steps(records, steps, lambda r, k: r["step_times"][k])
     rate = tokens_per_step / step_time
     return {"step_time": step_time, "tokens_per_second": rate,
@@ -86,15 +100,16 @@ def measured_terms(records, trace: dict, skip: int = 1) -> dict[str, float]:
     inside), ``bubble`` (its idle share of the step's stage work, times the step) and ``after the schedule`` (what
     remains of the step time: the DP collectives, the clipping, the optimizer)."""
     steps = _steps(records, skip)
+    trace = stage_trace(trace)
     step_time = _median_over_steps(records, steps, lambda r, k: r["step_times"][k])
     everything = trace_format.slices(trace)
     work = [s for s in everything if s.cat == "compute" and re.match(STAGE_WORK, s.name)]
+    marks = {(s.rank, s.name): s for s in everything if s.name.startswith("step")}
     compute = []
     for k in steps:
-        marks = {s.rank: s for s in everything if s.name == f"step{k}"}
         busy = {}
         for s in work:
-            mark = marks.get(s.rank)
+            mark = marks.get((s.rank, f"step{k}"))
             if mark is not None and mark.start <= s.start <= mark.end:
                 busy[s.rank] = busy.get(s.rank, 0.0) + (s.end - s.start)
         compute.append(max(busy.values()))

@@ -59,7 +59,7 @@ __all__ = ["Link", "ComputeCost", "Calibration", "calibrate", "cache_dir", "mach
 
 FORMAT = 1  # bumped when the cached fields change: an old file is then measured again
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
-WINDOW = 0.1  # seconds each measurement repeats for: many of the slices in which ranks sharing a core take turns
+WINDOW = 0.08  # seconds each measurement repeats for: many of the slices in which ranks sharing a core take turns
 PARTS = 5  # the window's parts, each a mean over several slices; the median over parts is kept
 
 
@@ -189,8 +189,9 @@ class Calibration:
     @property
     def cores(self) -> float:
         """How many ranks' worth of compute the machine gives at once: the world size when a rank computes as fast
-        beside the others as alone (GPUs, or a core per rank), fewer when they share cores (4 ranks on 2 cores: 2)."""
-        return min(float(self.world_size), self.world_size * self.alone / self.together)
+        beside the others as alone (GPUs, or a core per rank), fewer when they share cores (4 ranks on 2 cores: 2),
+        never below one rank's worth."""
+        return min(float(self.world_size), max(1.0, self.world_size * self.alone / self.together))
 
     def summary(self) -> str:
         """What was measured, in a few lines (rates at the smallest TP degree and micro-batch)."""
