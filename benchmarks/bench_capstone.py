@@ -3,11 +3,11 @@ before the run, for three layouts on this machine.
 
 The capstone's data (lab 10's pipeline on the course's crawl files and its generated crawl, split by document, the
 vocabulary compacted) and its GPT; three layouts of the capstone's worker, one axis more each time — DP 4 (ZeRO-1),
-DP 2 × PP 2, and DP 2 × PP 2 × TP 2 on 8 ranks. For each world size the machine is calibrated first, fresh
-(:func:`distlab.parallel3d.calibration.calibrate` with ``refresh=True``: measured under the load the runs will see,
-every rank computing, one thread per rank), then each layout's prediction is made and printed
-(:func:`distlab.parallel3d.planner.prediction_lines`), and only then does it run, ``--repeats`` times, ``--steps``
-steps each (no checkpoints: the planner does not price them). Per run the run card's figures are read off the
+DP 2 × PP 2, and DP 2 × PP 2 × TP 2 on 8 ranks. On each world size, ``--repeats`` rounds: each calibrates the
+machine afresh (:func:`distlab.parallel3d.calibration.calibrate` with ``refresh=True``: measured just before the runs
+it prices, so under the load they see, every rank computing, one thread per rank), then for each layout makes and
+prints the prediction (:func:`distlab.parallel3d.planner.prediction_lines`) and only then runs it, ``--steps``
+steps (no checkpoints: the planner does not price them). Per run the run card's figures are read off the
 records and the trace (:func:`distlab.capstone.derive_report`, :func:`distlab.capstone.card_rows`); per layout and
 figure the median over runs of measured / predicted is kept.
 
@@ -22,7 +22,7 @@ calibration and the runs): each layout's timings are marked faithful or not by t
 (:data:`distlab.results.BUSY_LOAD` per core, counting the benchmark's own ranks), and not held to the target when
 busy.
 
-    python benchmarks/bench_capstone.py            # about two minutes on 2 cores
+    python benchmarks/bench_capstone.py            # about two minutes on 2 cores (six calibrations, nine runs)
     python benchmarks/bench_capstone.py --quick    # a smoke run: 1 run of 6 steps per layout
 
 Results go to ``benchmarks/results/capstone.{json,txt}``. Exit status 1 when a target is missed faithfully.
@@ -83,59 +83,61 @@ def data(work: Path):
 
 
 def measure_layouts(world: int, layouts, cfg: GPTConfig, args, train_path, mapping, work: Path) -> dict:
-    """Calibrate ``world`` ranks, then for each layout print the prediction, run it ``args.repeats`` times and keep
-    each run's card."""
+    """``args.repeats`` rounds on ``world`` ranks: each calibrates afresh, then for each layout prints the prediction
+    and only then runs it, keeping the run's card. A calibration just before the runs it prices sees the load they
+    see (on a shared machine the load moves within minutes; on a quiet one every round's calibration is the same)."""
     model = ModelShape.from_config(cfg, "the capstone GPT")
     flops = training_flops_per_token(model.n_params - model.embedding_params, cfg.n_layer, cfg.d_model, cfg.seq_len)
     out = {}
     ranks = distlab.Ranks(world, threads=1)
     try:
-        calibration = calibrate(ranks, cfg, micro_batch=(1,), refresh=True)
-        print(calibration.summary(), flush=True)
-        machine = calibrated_cluster(calibration, 1e9)  # no memory limit: the layouts are given, not chosen
-        for dp, pp, tp in layouts:
-            predicted = estimate(model, machine, Layout(dp=dp, pp=pp, tp=tp, zero=1, m=args.batch // dp), args.batch,
-                                 precision="fp32", calibration=calibration)
-            print("\n".join(prediction_lines(predicted, model)), flush=True)  # before the runs it predicts
-            runs, loads = [], []
-            for repeat in range(args.repeats):
+        for repeat in range(args.repeats):
+            calibration = calibrate(ranks, cfg, micro_batch=(1,), refresh=True)
+            print(f"round {repeat}: " + calibration.summary(), flush=True)
+            machine = calibrated_cluster(calibration, 1e9)  # no memory limit: the layouts are given, not chosen
+            for dp, pp, tp in layouts:
+                predicted = estimate(model, machine, Layout(dp=dp, pp=pp, tp=tp, zero=1, m=args.batch // dp),
+                                     args.batch, precision="fp32", calibration=calibration)
+                print("\n".join(prediction_lines(predicted, model)), flush=True)  # before the run it predicts
                 run = ranks.run(capstone_worker, args=(str(work / f"{dp}{pp}{tp}-{repeat}"),), show_output=False,
                                 kwargs=dict(cfg=cfg, dp=dp, pp=pp, tp=tp, m=predicted.layout.m,
                                             batch_size=args.batch, steps=args.steps, train_path=str(train_path),
                                             mapping=mapping, lr=3e-3, warmup=5, save_every=args.steps + 1, zero=1))
-                loads.append(os.getloadavg()[0])
                 trace = run.trace()
                 report = derive_report(list(run), trace, flops, args.batch * cfg.seq_len, calibration.peak_flops)
                 busiest = max((r["memory"] for r in run), key=lambda m: sum(m.values()))
                 rows = card_rows(report, busiest, predicted, model)
-                figures = {row.figure: [row.measured, row.predicted, row.ratio, row.unit] for row in rows}
-                runs.append({"figures": figures, "terms": measured_terms(list(run), trace)})
-                print(f"  run {repeat}: " + ", ".join(f"{row.figure} {row.ratio:.2f}×" for row in rows
-                                                      if row.predicted), flush=True)
-            out[str(predicted.layout)] = {"ranks": world, "runs": runs, "loads": loads,
-                                          "predicted_terms": predicted.terms(),
-                                          "calibration": calibration.to_json()}
+                print("  measured: " + ", ".join(f"{row.figure} {row.ratio:.2f}×" for row in rows if row.predicted),
+                      flush=True)
+                layout = out.setdefault(str(predicted.layout), {"ranks": world, "runs": [], "loads": []})
+                layout["loads"].append(os.getloadavg()[0])
+                layout["runs"].append({"figures": {row.figure: [row.measured, row.predicted, row.ratio, row.unit]
+                                                   for row in rows},
+                                       "terms": measured_terms(list(run), trace), "predicted_terms": predicted.terms(),
+                                       "calibration": calibration.to_json()})
     finally:
         ranks.close()
     return out
 
 
 def summarise(name: str, layout: dict) -> tuple[list[str], dict, bool]:
-    """Per figure, the median over runs of the measured value beside the prediction (one per layout, so the ratio of
-    the median is the median of the ratios); whether every one is in the band."""
+    """Per figure, the median over runs of measured, of predicted (each run was predicted by its round's
+    calibration) and of their ratio; whether every median ratio is in the band."""
     runs = layout["runs"]
     figures = {}
     lines = [f"{name} ({layout['ranks']} ranks, {len(runs)} runs, load average up to {max(layout['loads']):.1f}):",
              f"  {'':36s} {'measured':>16s} {'predicted':>16s} median ratio"]
-    for figure, (_, predicted, _, unit) in runs[0]["figures"].items():
-        row = RunCard(figure, statistics.median(r["figures"][figure][0] for r in runs), predicted, unit)
-        figures[figure] = {"measured": row.measured, "predicted": predicted, "ratio": row.ratio if predicted else None,
-                           "within": row.within}
-        lines.append(f"  {row}")
+    for figure, (*_, unit) in runs[0]["figures"].items():
+        measured, predicted, ratios, _ = zip(*(r["figures"][figure] for r in runs))
+        row = RunCard(figure, statistics.median(measured), statistics.median(predicted), unit)
+        ratio = statistics.median(ratios) if row.predicted else None  # the median of the ratios: what the band is on
+        within = BAND[0] <= ratio <= BAND[1] if ratio is not None else row.within
+        figures[figure] = {"measured": row.measured, "predicted": row.predicted, "ratio": ratio, "within": within}
+        lines.append(f"  {row.line(ratio)}")
     if not figures["step time"]["within"]:
         middle = sorted(runs, key=lambda r: r["figures"]["step time"][2])[len(runs) // 2]
         lines.append(f"  the term responsible for the step time: "
-                     f"{responsible_term(middle['terms'], layout['predicted_terms'])}")
+                     f"{responsible_term(middle['terms'], middle['predicted_terms'])}")
     return lines, figures, all(f["within"] for f in figures.values())
 
 

@@ -9,7 +9,7 @@ import pytest
 import distlab
 from distlab.memory import PRESETS
 from distlab.model import GPTConfig, flops_per_token
-from distlab.parallel3d.calibration import COLLECTIVES, Calibration, ComputeCost, Link, calibrate
+from distlab.parallel3d.calibration import COLLECTIVES, Calibration, ComputeCost, Link, calibrate, load_cached
 from distlab.parallel3d.planner import (
     Cluster,
     Layout,
@@ -275,9 +275,11 @@ def test_calibrate_on_two_ranks_then_plan_and_the_cache_is_per_machine_and_world
         assert result.find(tp=2).seconds["tp"] > 0 and result.find(dp=2).seconds["dp exposed"] > 0
         lines = prediction_lines(result.best, model)
         assert lines[0] == f"predicted for {result.best.layout} (calibrated on this machine):"
-        monkeypatch.setattr("distlab.parallel3d.calibration._cpu_model", lambda: "another CPU")
-        assert calibrate(ranks, TINY, micro_batch=(1,), window=0.02).source == "measured"  # another machine
+        shapes = (cal.model, (1,), (1, 2))
+        assert load_cached(cal.machine, 2, *shapes).compute == cal.compute
+        assert load_cached({**cal.machine, "cpu": "another CPU"}, 2, *shapes) is None  # another machine
+        assert load_cached(cal.machine, 2, cal.model, (1, 2), (1, 2)) is None  # other shapes planned
     with distlab.Ranks(1, threads=1) as one:
         fresh = calibrate(one, TINY, micro_batch=(1,), window=0.02)
     assert fresh.source == "measured" and fresh.world_size == 1 and not fresh.links  # another world size
-    assert len(list((tmp_path / "distlab" / "calibration").glob("*.json"))) == 3
+    assert len(list((tmp_path / "distlab" / "calibration").glob("*.json"))) == 2

@@ -176,10 +176,16 @@ class RunCard:
         return BAND[0] <= self.ratio <= BAND[1] if self.predicted else self.measured == 0
 
     def __str__(self) -> str:
+        return self.line()
+
+    def line(self, ratio: float | None = None) -> str:
+        """The row as the card prints it; ``ratio``: another ratio to show and judge (a median over runs)."""
         scale, unit = {"ms": (1e3, "ms"), "bytes": (1, "B"), "MB": (1e-6, "MB"), "": (1, "")}[self.unit]
-        ratio = f"{self.ratio:5.2f}" if self.predicted else "    -"
+        ratio = self.ratio if ratio is None else ratio
+        within = BAND[0] <= ratio <= BAND[1] if self.predicted else self.within
+        shown = f"{ratio:5.2f}" if self.predicted else "    -"
         return (f"{self.figure:<36s} {self.measured * scale:>12,.4g} {unit:<3s} {self.predicted * scale:>12,.4g} "
-                f"{unit:<3s} {ratio}  {'ok' if self.within else 'OFF'}")
+                f"{unit:<3s} {shown}  {'ok' if within else 'OFF'}")
 
 
 def card_rows(report: dict, memory: dict, estimate: Estimate, model, bytes_per_value: int = 4) -> list[RunCard]:

@@ -2,15 +2,16 @@
 will run, at the model's own shapes, and cached per machine and world size.
 
 A planner that assumes 70% of a datasheet peak (:func:`distlab.parallel3d.planner.estimate`'s ``matmul_efficiency``)
-is right for the published clusters it was tuned on and wrong by 3–4× for lab 13's small GPT on shared CPU cores:
-its matrices are tiny, a layer's softmax, LayerNorms and GELU cost as much as its matmuls, and Python dispatch,
-the optimizer and the clipping add a fixed cost per step. :func:`calibrate` measures each of those terms once:
+is right for the published clusters it was tuned on and wrong by several times for lab 13's small GPT on shared CPU
+cores: its matrices are tiny, a layer's softmax, LayerNorms and GELU cost as much as its matmuls, and Python
+dispatch, the optimizer and the clipping add a fixed cost per step. :func:`calibrate` measures each of those terms once:
 
-* **compute**, at the model's own GEMM shapes while *every* rank computes (so CPU ranks that share cores are priced
-  as they run): one transformer block's forward and backward on a rank's tensor-parallel shard (``n_head/tp`` heads,
-  ``4·d/tp`` MLP columns) for every micro-batch size and TP degree the planner will try, split into its matmuls
-  (the rate, FLOP/s, at those shapes) and the rest (softmax, LayerNorm, GELU, dispatch: seconds per token); the same
-  for the output layer with its loss (its ``V/tp`` columns) and for the embeddings;
+* **compute**, at the model's own shapes while *every* rank computes (so CPU ranks that share cores are priced as
+  they run): one transformer block's forward and backward on a rank's tensor-parallel shard (``n_head/tp`` heads,
+  ``4·d/tp`` MLP columns, its all-reduces on a real TP group) for every micro-batch size and TP degree the planner
+  will try, the output layer with its loss (its ``V/tp`` columns), and the embeddings; and at the reference shape
+  the block's GEMMs alone, whose rate (FLOP/s) at those shapes beside the rest of the block (softmax, LayerNorm,
+  GELU, dispatch: seconds per token) says where a small model's time goes;
 * **sharing**: the same block timed on one rank while the others wait, beside the time while all compute: how many
   cores the ranks really have between them (:attr:`Calibration.cores`). A pipeline's ranks do not all compute at
   once, and a rank that computes while others wait runs faster than one that shares;
@@ -19,7 +20,8 @@ the optimizer and the clipping add a fixed cost per step. :func:`calibrate` meas
 * **communication**: α (seconds per ring step) and β (bytes/s) of the collectives the layouts use — all-reduce,
   reduce-scatter, all-gather — on groups of each size that divides the world, every group busy at once as in a
   run, at the model's own message sizes (one activation, one shard of the weights); and the send/receive between
-  pipeline neighbours, timed while the other ranks compute (a stage woken by a message waits for a core).
+  pipeline neighbours: from the send to the bytes' arrival while the sender goes on computing, as a stage does, and
+  every other rank computes too (a message moved by threads that wait for a turn on a busy core arrives late).
 
 The planner takes a :class:`Calibration` instead of ``matmul_efficiency``
 (:func:`~distlab.parallel3d.planner.estimate`'s ``calibration=``); the published clusters keep their assumed
@@ -57,10 +59,10 @@ from distlab.tensor_parallel.communication import tp_group
 __all__ = ["Link", "ComputeCost", "Calibration", "calibrate", "cache_dir", "machine_fingerprint", "load_cached",
            "COLLECTIVES"]
 
-FORMAT = 1  # bumped when the cached fields change: an old file is then measured again
+FORMAT = 2  # bumped when the cached fields change: an old file is then measured again
 COLLECTIVES = ("all_reduce", "reduce_scatter", "all_gather")
-WINDOW = 0.08  # seconds each measurement repeats for: many of the slices in which ranks sharing a core take turns
-PARTS = 5  # the window's parts, each a mean over several slices; the median over parts is kept
+WINDOW = 0.06  # seconds of work each measurement repeats at a core's full speed (longer when ranks share the cores)
+PARTS = 3  # the window's parts, each a mean over several scheduler slices; the median over parts is kept
 
 
 @dataclass(frozen=True)
@@ -106,38 +108,42 @@ class Link:
 @dataclass(frozen=True)
 class ComputeCost:
     """Seconds one rank spends on one micro-batch of ``rows`` tokens at TP degree ``tp``, measured while every rank
-    ran the same: a block's forward and backward as a stage runs it (lab 05's tensor-parallel block, its
-    all-reduces included; ``collectives_forward``/``_backward`` of it are those all-reduces, the block measured
-    again without them), ``matmul`` seconds of its linears' GEMMs (``matmul_flops``), the output layer with the
-    vocabulary-parallel loss, and the embeddings — each with its own all-reduces, and ``head_collectives`` /
-    ``embedding_collectives`` of them."""
+    ran the same: a block's forward and backward as a stage runs it (lab 05's tensor-parallel block, its all-reduces
+    included), the output layer with the vocabulary-parallel loss, and the embeddings. ``collectives_*`` are the
+    TP all-reduces' share of each, priced from the calibrated all-reduce (two of an activation each way per block;
+    the loss's three of one value per token and the output layer's one backward; the embedding's one), at most the
+    piece itself. At the reference shape (the smallest TP degree and micro-batch) the block's and the output layer's
+    GEMMs are also timed alone (``matmul``, ``head_matmul``, with their FLOPs): the matmul rate at the model's own
+    shapes; ``None`` elsewhere."""
 
     tp: int
     rows: int
     forward: float
     backward: float
-    collectives_forward: float
-    collectives_backward: float
-    matmul: float
-    matmul_flops: float
     head_forward: float
     head_backward: float
-    head_collectives: float
-    head_matmul: float
-    head_matmul_flops: float
     embedding_forward: float
     embedding_backward: float
-    embedding_collectives: float
+    collectives_forward: float = 0.0
+    collectives_backward: float = 0.0
+    head_collectives: float = 0.0
+    embedding_collectives: float = 0.0
+    matmul: float | None = None
+    matmul_flops: float | None = None
+    head_matmul: float | None = None
+    head_matmul_flops: float | None = None
 
     @property
-    def matmul_rate(self) -> float:
-        """FLOP/s the block's GEMMs reach at these shapes."""
-        return self.matmul_flops / self.matmul
+    def matmul_rate(self) -> float | None:
+        """FLOP/s the block's GEMMs reach at these shapes (measured at the reference shape only)."""
+        return self.matmul_flops / self.matmul if self.matmul else None
 
     @property
-    def other_per_token(self) -> float:
+    def other_per_token(self) -> float | None:
         """Seconds per token of a block's work outside its GEMMs and collectives: attention's softmax, LayerNorms,
         GELU, the residual adds and Python's dispatch of each op (what 6·N FLOPs do not count)."""
+        if self.matmul is None:
+            return None
         work = self.forward + self.backward - self.collectives_forward - self.collectives_backward
         return max(0.0, work - self.matmul) / self.rows
 
@@ -301,23 +307,27 @@ def _sync(dev: torch.device) -> None:
 
 
 def _agreed_count(count: int, dev: torch.device) -> int:
-    """The smallest of every rank's ``count``, on every rank: ranks that call collectives inside a repetition must
-    make the same calls, and ranks that stop together shared the cores all along."""
+    """The largest of every rank's ``count``, on every rank: ranks that call collectives inside a repetition must
+    make the same calls, and the rank whose probe ran at a whole core's speed sets the count, so that every part of
+    the window outlasts several scheduler slices even at that speed (the smallest count would let a part fit in one
+    slice, each rank running it alone in turn, and every rank would measure a core to itself)."""
     agreed = torch.tensor([min(count, 1000)], device=dev)
-    dist.all_reduce(agreed, op=dist.ReduceOp.MIN)
+    dist.all_reduce(agreed, op=dist.ReduceOp.MAX)
     return int(agreed.item())
 
 
-def _windowed(phases, dev: torch.device, window: float, agree: bool = True) -> list[float]:
+def _windowed(phases, dev: torch.device, window: float, agree: bool = True, busy=None) -> list[float]:
     """Seconds of each of ``phases`` (callables run in turn, each taking the previous one's result) per repetition,
-    over a window of about ``window`` seconds in which every rank repeats the same.
+    over a window of about ``window`` seconds (at a whole core's speed) in which every rank repeats the same.
 
     Means over a stretch of time, not medians of single calls: ranks that share cores take turns in slices of
     milliseconds, so a single short call mostly runs at a whole core's speed or waits a whole slice, and its median
     is the speed of a core alone; the mean over many slices is the speed a rank gets while the others compute too.
     The window is cut into :data:`PARTS` parts and the median of their means is kept, so a burst of someone else's
     work in one part does not move the figure (a run's step time is a median over steps for the same reason).
-    ``agree=False``: this rank alone (the others wait), its own count."""
+    Every rank makes the same number of repetitions, and one that is done early keeps the others company with
+    ``busy`` (work with no collectives) until all are done: the last ranks to finish must not get the cores to
+    themselves, which no rank of a run does. ``agree=False``: this rank alone (the others wait), its own count."""
     def once() -> list[float]:
         times, value = [], None
         for phase in phases:
@@ -340,16 +350,21 @@ def _windowed(phases, dev: torch.device, window: float, agree: bool = True) -> l
             for i, seconds in enumerate(once()):
                 totals[i] += seconds
         parts.append([total / per_part for total in totals])
+    if agree and busy is not None:
+        everyone = dist.barrier(async_op=True)
+        while not everyone.is_completed():
+            busy()
+        everyone.wait()
     return [statistics.median(part[i] for part in parts) for i in range(len(phases))]
 
 
-def _forward_backward(forward, dev: torch.device, window: float) -> tuple[float, float]:
+def _forward_backward(forward, dev: torch.device, window: float, busy=None) -> tuple[float, float]:
     """Mean seconds of ``forward()`` (a scalar to differentiate) and of its backward (:func:`_windowed`)."""
-    fwd, bwd = _windowed([lambda _: forward(), lambda out: out.backward()], dev, window)
+    fwd, bwd = _windowed([lambda _: forward(), lambda out: out.backward()], dev, window, busy=busy)
     return fwd, bwd
 
 
-def _gemms(shapes, dev: torch.device, window: float) -> tuple[float, float]:
+def _gemms(shapes, dev: torch.device, window: float, busy=None) -> tuple[float, float]:
     """Mean seconds of a linear's three GEMMs (forward, input gradient, weight gradient) for each
     ``(rows, in, out)``, and their FLOPs."""
     operands = [(torch.randn(rows, n_in, device=dev), torch.randn(n_out, n_in, device=dev),
@@ -361,16 +376,17 @@ def _gemms(shapes, dev: torch.device, window: float) -> tuple[float, float]:
             g @ w
             g.t() @ x
 
-    (seconds,) = _windowed([run], dev, window)
+    (seconds,) = _windowed([run], dev, window, busy=busy)
     return seconds, sum(3 * 2 * rows * n_in * n_out for rows, n_in, n_out in shapes)
 
 
-def _measure_compute(cfg: GPTConfig, tp: int, rows: int, dev: torch.device, window: float) -> ComputeCost:
-    """One shape's :class:`ComputeCost`: lab 05's tensor-parallel GPT of one block on this rank's TP group (the
-    world cut into groups of ``tp`` consecutive ranks, all working at once), cut into a block, an output layer and
-    embeddings as lab 06's stages cut it; then plain modules of the TP shard's widths (no collectives)."""
+def _measure_compute(cfg: GPTConfig, tp: int, rows: int, dev: torch.device, window: float, gemms: bool,
+                     busy) -> dict:
+    """One shape's costs (the fields of :class:`ComputeCost` this rank measures): lab 05's tensor-parallel GPT of one
+    block on this rank's TP group (the world cut into groups of ``tp`` consecutive ranks, all working at once), cut
+    into a block, an output layer and embeddings as lab 06's stages cut it; with ``gemms``, the GEMMs alone too."""
     generator = torch.Generator(device="cpu").manual_seed(0)
-    batch, d, v = rows // cfg.seq_len, cfg.d_model, cfg.vocab_size // tp
+    batch, d = rows // cfg.seq_len, cfg.d_model
     x = torch.randn(batch, cfg.seq_len, d, generator=generator).to(dev).requires_grad_()
     ids = torch.randint(0, cfg.vocab_size, (batch, cfg.seq_len), generator=generator).to(dev)
     group = tp_group(tp)
@@ -378,34 +394,26 @@ def _measure_compute(cfg: GPTConfig, tp: int, rows: int, dev: torch.device, wind
     block = StageModule(model, range(0, 1), first=False, last=False)
     head = StageModule(model, range(0, 0), first=False, last=True)
     embedding = StageModule(model, range(0, 0), first=True, last=False)
-    fwd, bwd = _forward_backward(lambda: block(x).square().mean(), dev, window)
-    head_f, head_b = _forward_backward(lambda: vocab_parallel_cross_entropy(head(x), ids, group), dev, window)
-    emb_f, emb_b = _forward_backward(lambda: embedding(ids).square().mean(), dev, window)
-    if tp > 1:  # the same work without the collectives: the shard's widths, on this rank alone
-        alone = tp_group(1)
-        shard = _shard_block(cfg, tp, dev)
-        norm, local_head = nn.LayerNorm(d, device=dev), nn.Linear(d, v, bias=False, device=dev)
-        tokens, positions = nn.Embedding(v, d, device=dev), nn.Embedding(cfg.seq_len, d, device=dev)
-        where = torch.arange(cfg.seq_len, device=dev)
-        fwd0, bwd0 = _forward_backward(lambda: shard(x).square().mean(), dev, window)
-        head_f0, head_b0 = _forward_backward(
-            lambda: vocab_parallel_cross_entropy(local_head(norm(x)), ids % v, alone), dev, window)
-        emb_f0, emb_b0 = _forward_backward(lambda: (tokens(ids % v) + positions(where)).square().mean(), dev,
-                                           window)
-    else:
-        fwd0, bwd0, head_f0, head_b0, emb_f0, emb_b0 = fwd, bwd, head_f, head_b, emb_f, emb_b
-    hidden = cfg.mlp_ratio * d
-    matmul, flops = _gemms([(rows, d, 3 * d // tp), (rows, d // tp, d), (rows, d, hidden // tp),
-                            (rows, hidden // tp, d)], dev, window)
-    head_matmul, head_flops = _gemms([(rows, d, v)], dev, window)
-    return ComputeCost(tp, rows, fwd, bwd, max(0.0, fwd - fwd0), max(0.0, bwd - bwd0), matmul, flops, head_f, head_b,
-                       max(0.0, head_f + head_b - head_f0 - head_b0), head_matmul, head_flops, emb_f, emb_b,
-                       max(0.0, emb_f + emb_b - emb_f0 - emb_b0))
+    out = {"tp": tp, "rows": rows}
+    busy = busy if group is not None else None  # the async barrier and the TP group's collectives share no group
+    out["forward"], out["backward"] = _forward_backward(lambda: block(x).square().mean(), dev, window, busy)
+    out["head_forward"], out["head_backward"] = _forward_backward(
+        lambda: vocab_parallel_cross_entropy(head(x), ids, group), dev, window, busy)
+    out["embedding_forward"], out["embedding_backward"] = _forward_backward(
+        lambda: embedding(ids).square().mean(), dev, window, busy)
+    if gemms:
+        hidden, v = cfg.mlp_ratio * d, cfg.vocab_size // tp
+        out["matmul"], out["matmul_flops"] = _gemms([(rows, d, 3 * d // tp), (rows, d // tp, d),
+                                                     (rows, d, hidden // tp), (rows, hidden // tp, d)], dev, window,
+                                                    busy)
+        out["head_matmul"], out["head_matmul_flops"] = _gemms([(rows, d, v)], dev, window, busy)
+    return out
 
 
 def _shard_block(cfg: GPTConfig, tp: int, dev: torch.device) -> nn.Module:
     """A block as one TP rank computes it, without its collectives: ``n_head/tp`` heads (attention reads its head
-    count from ``qkv``'s width) and ``4·d/tp`` MLP columns, the LayerNorms whole."""
+    count from ``qkv``'s width) and ``4·d/tp`` MLP columns, the LayerNorms whole (the reference of the sharing
+    measurement: a rank's own work, no peer to wait for)."""
     block = Block(cfg, device=dev)
     d, hidden = cfg.d_model, cfg.mlp_ratio * cfg.d_model
     block.attn.qkv = nn.Linear(d, 3 * d // tp, bias=cfg.bias, device=dev)
@@ -415,7 +423,7 @@ def _shard_block(cfg: GPTConfig, tp: int, dev: torch.device) -> nn.Module:
     return block
 
 
-def _measure_step(n_held: int, dev: torch.device, window: float) -> dict:
+def _measure_step(n_held: int, dev: torch.device, window: float, busy) -> dict:
     """Mean seconds of the per-step work at two sizes: AdamW and the clipping's float64 squares over ``n``
     parameters (the update), and gathering ``n`` gradients into a flat buffer (the bookkeeping)."""
     out = {}
@@ -430,7 +438,8 @@ def _measure_step(n_held: int, dev: torch.device, window: float) -> dict:
             weights.grad.mul_(min(1.0, 1.0 / (float(norm) + 1e-6)))
             optimizer.step()
 
-        out[f"update/{n}"], out[f"held/{n}"] = _windowed([update, lambda _: torch.cat(pieces).div_(2)], dev, window)
+        out[f"update/{n}"], out[f"held/{n}"] = _windowed([update, lambda _: torch.cat(pieces).div_(2)], dev, window,
+                                                         busy=busy)
     return out
 
 
@@ -451,40 +460,49 @@ def _time_collective(op: str, group, payload: int, dev: torch.device, window: fl
     return seconds
 
 
-def _time_handoff(payload: int, dev: torch.device, window: float) -> float:
-    """Seconds for ``payload`` bytes to reach pipeline rank 1 from rank 0 once both are ready, while every other rank
-    computes: half a round trip between ranks 0 and 1, the median over :data:`PARTS` parts of a window.
+def _time_handoff(payload: int, dev: torch.device, window: float, work) -> float:
+    """Seconds from pipeline rank 0 posting a send of ``payload`` bytes to rank 1 holding them, while rank 0 goes on
+    computing (``work``, a stage's forward and backward) and every other rank computes too: the median over
+    :data:`PARTS` parts of a window.
 
-    The others compute because in a pipeline they do: a stage that waited for a message must be woken and given a
-    core, and on cores shared with busy ranks that costs more than the bytes. Rank 0 decides when the window is over
-    and says so in the message itself, so the two make the same number of exchanges without another collective."""
+    That is a message's life in a pipeline: the sender posts it and computes its next micro-batch, and the bytes move
+    on gloo's (or NCCL's) own threads, which on cores shared with busy ranks wait for a turn — a ping-pong, whose
+    sender waits idle, would see less. Both ranks read the same monotonic clock; rank 0 writes the time it posted the
+    send into the message (float64, so its microseconds survive), rank 1 subtracts it from its own on arrival and
+    answers with a one-value acknowledgement, so rank 0 never has two messages in flight. Rank 0 also says in the
+    message when the window is over, so the two make the same number of exchanges without another collective."""
     rank = dist.get_rank()
-    buffer = torch.ones(max(2, payload // 4), device=dev)
+    buffer = torch.zeros(max(2, payload // 8), dtype=torch.float64, device=dev)
+    ack = torch.zeros(1, device=dev)
     dist.barrier()
-    start, exchanges, parts = time.perf_counter(), [], []
-    if rank in (0, 1):
-        peer = 1 - rank
+    start, latencies = time.perf_counter(), []
+    if rank == 0:
         while True:
-            t0 = time.perf_counter()
-            if rank == 0:
-                buffer[0] = 1.0 if t0 - start < window else 0.0  # 0: this is the last exchange
-                dist.send(buffer, peer)
-                dist.recv(buffer, peer)
-            else:
-                dist.recv(buffer, peer)
-                dist.send(buffer, peer)
-            _sync(dev)
-            exchanges.append((time.perf_counter() - t0) / 2)
-            if buffer[0].item() == 0.0:
+            last = time.perf_counter() - start >= window
+            buffer[1] = 0.0 if last else 1.0  # 0: this is the last exchange
+            buffer[0] = time.perf_counter()
+            request = dist.isend(buffer, 1)
+            work()
+            request.wait()
+            dist.recv(ack, 1)
+            if last:
                 break
-        chunk = max(1, len(exchanges) // PARTS)
-        parts = [statistics.fmean(exchanges[i:i + chunk]) for i in range(0, len(exchanges), chunk)]
+    elif rank == 1:
+        while True:
+            dist.recv(buffer, 0)
+            _sync(dev)
+            latencies.append(time.perf_counter() - buffer[0].item())
+            dist.send(ack, 0)
+            if buffer[1].item() == 0.0:
+                break
     else:
-        a = torch.randn(96, 96, device=dev)
         while time.perf_counter() - start < window:
-            a = torch.tanh(a @ a)
+            work()
     dist.barrier()
-    return statistics.median(parts) if parts else 0.0
+    if not latencies:
+        return 0.0
+    chunk = max(1, len(latencies) // PARTS)
+    return statistics.median(statistics.fmean(latencies[i:i + chunk]) for i in range(0, len(latencies), chunk))
 
 
 def _measure_on_rank(cfg: GPTConfig, tps, rows_list, n_held: int, payloads: dict, window: float) -> dict:
@@ -496,18 +514,23 @@ def _measure_on_rank(cfg: GPTConfig, tps, rows_list, n_held: int, payloads: dict
     peak = measure_matmul_peak(sizes=(128, 256) if dev.type == "cpu" else (2048, 4096), device=dev,
                                min_seconds=window)
     out["peak"] = peak.flops
-    for tp in tps:
-        for rows in rows_list:
-            out["compute"][_key(tp, rows)] = asdict(_measure_compute(cfg, tp, rows, dev, window))
     reference = _shard_block(cfg, 1, dev)
     x = torch.randn(min(rows_list) // cfg.seq_len, cfg.seq_len, cfg.d_model, device=dev).requires_grad_()
-    out["together"] = sum(_forward_backward(lambda: reference(x).square().mean(), dev, window))
+
+    def busy():  # a rank's own work, no collective: what a rank done early computes while the others finish
+        reference(x).square().mean().backward()
+
+    for tp in tps:
+        for rows in rows_list:
+            reference_shape = tp == min(tps) and rows == min(rows_list)
+            out["compute"][_key(tp, rows)] = _measure_compute(cfg, tp, rows, dev, window, reference_shape, busy)
+    out["together"] = sum(_forward_backward(lambda: reference(x).square().mean(), dev, window, busy))
     dist.barrier()
     if dist.get_rank() == 0:  # rank 0 alone, the others waiting at the barrier (we measured: a rank waiting there in
         #                       gloo used under 1% of a core, so the waiting ranks leave the cores to rank 0)
-        out["alone"] = sum(_windowed([lambda _: reference(x).square().mean().backward()], dev, window, agree=False))
+        out["alone"] = sum(_windowed([lambda _: busy()], dev, window, agree=False))
     dist.barrier()
-    out["step"] = _measure_step(n_held, dev, window)
+    out["step"] = _measure_step(n_held, dev, window, busy)
     world = dist.get_world_size()
     for size in (s for s in range(2, world + 1) if world % s == 0):
         group = tp_group(size)
@@ -516,7 +539,7 @@ def _measure_on_rank(cfg: GPTConfig, tps, rows_list, n_held: int, payloads: dict
                 out["collectives"][f"{op}/{size}/{payload}"] = _time_collective(op, group, payload, dev, window)
     if world > 1:
         for payload in payloads["send"]:
-            out["send"][payload] = _time_handoff(payload, dev, window)
+            out["send"][payload] = _time_handoff(payload, dev, window, busy)
     return out
 
 
@@ -576,31 +599,55 @@ def calibrate(ranks, model, *, micro_batch=(1, 2), tp=None, refresh: bool = Fals
     return calibration
 
 
+def _with_collectives(measured: dict, links: dict, d_model: int) -> ComputeCost:
+    """A shape's :class:`ComputeCost` with its TP all-reduces' share priced from the calibrated all-reduce on groups
+    of its TP degree, each at most the piece it is part of."""
+    tp, rows = measured["tp"], measured["rows"]
+    if tp == 1:
+        return ComputeCost(**measured)
+    reduce = links[f"all_reduce/{tp}"]
+    activation = rows * d_model * 4  # fp32
+    return ComputeCost(**measured,
+                       collectives_forward=min(measured["forward"], reduce.seconds(activation, 2)),
+                       collectives_backward=min(measured["backward"], reduce.seconds(activation, 2)),
+                       head_collectives=min(measured["head_forward"] + measured["head_backward"],
+                                            reduce.seconds(rows * 4, 3) + reduce.seconds(activation)),
+                       embedding_collectives=min(measured["embedding_forward"], reduce.seconds(activation)))
+
+
+def _line(sizes: list[int], seconds: list[float]) -> tuple[float, float]:
+    """(fixed seconds, seconds per element) through the smallest and the largest size; when the larger came out no
+    slower (noise at this size), every second is taken as per element, none as fixed."""
+    (n1, t1), (n2, t2) = (sizes[0], seconds[0]), (sizes[-1], seconds[-1])
+    if t2 <= t1:
+        return 0.0, t2 / n2
+    per = (t2 - t1) / (n2 - n1)
+    return max(0.0, t1 - per * n1), per
+
+
 def _assemble(per_rank: list[dict], machine: dict, world: int, dims: dict, payloads: dict) -> Calibration:
     """One calibration from every rank's measurements: medians over ranks for compute (what a typical rank gets),
     the slowest rank for a message (it is done when its last rank is)."""
-    compute = {}
-    for key in per_rank[0]["compute"]:
-        fields = per_rank[0]["compute"][key]
-        merged = {name: statistics.median(r["compute"][key][name] for r in per_rank)
-                  if isinstance(value, float) else value for name, value in fields.items()}
-        compute[key] = ComputeCost(**merged)
     links = {}
     small, large = payloads["collective"]
     for size in (s for s in range(2, world + 1) if world % s == 0):
         for op in COLLECTIVES:
             t = [max(r["collectives"][f"{op}/{size}/{p}"] for r in per_rank) for p in (small, large)]
             links[f"{op}/{size}"] = Link.fit(op, size, (small, large), tuple(t))
+    compute = {}
+    for key, fields in per_rank[0]["compute"].items():
+        merged = {name: statistics.median(r["compute"][key][name] for r in per_rank) if isinstance(value, float)
+                  else value for name, value in fields.items()}
+        compute[key] = _with_collectives(merged, links, dims["d_model"])
     if world > 1:
         s1, s2 = payloads["send"]
-        t = [per_rank[0]["send"][p] for p in (s1, s2)]  # ranks 0 and 1 measured it
+        t = [per_rank[1]["send"][p] for p in (s1, s2)]  # rank 1 measured it
         links["send/2"] = Link.fit("send", 2, (s1, s2), tuple(t))
     steps = {k: statistics.median(r["step"][k] for r in per_rank) for k in per_rank[0]["step"]}
     sizes = sorted({int(k.split("/")[1]) for k in steps})
-    n1, n2 = sizes[0], sizes[-1]
-    per_updated = max(0.0, (steps[f"update/{n2}"] - steps[f"update/{n1}"]) / (n2 - n1))
-    per_held = max(0.0, (steps[f"held/{n2}"] - steps[f"held/{n1}"]) / (n2 - n1))
-    fixed = max(0.0, steps[f"update/{n1}"] - per_updated * n1) + max(0.0, steps[f"held/{n1}"] - per_held * n1)
+    (fixed_update, per_updated), (fixed_held, per_held) = (_line(sizes, [steps[f"{kind}/{n}"] for n in sizes])
+                                                           for kind in ("update", "held"))
+    fixed = fixed_update + fixed_held
     return Calibration(machine=machine, world_size=world, model=dims,
                        peak_flops=statistics.median(r["peak"] for r in per_rank), compute=compute, links=links,
                        alone=next(r["alone"] for r in per_rank if "alone" in r),
