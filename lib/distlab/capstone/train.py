@@ -173,17 +173,24 @@ def _tp_weight(name: str, tp: int) -> float:
     return 1.0 / tp if is_replicated(name) else 1.0
 
 
-def _sharded_gradients(optimizer: ShardedOptimizer, names: dict[int, str], tp: int, d: int
+def _shard_weights(optimizer: ShardedOptimizer, names: dict[int, str], tp: int, d: int) -> list[torch.Tensor]:
+    """Per flat buffer, the weight of each element of this rank's ZeRO shard in the squared norm (:func:`_tp_weight`,
+    0 on padding): fixed for the run, so built once rather than every step."""
+    return [flat.layout.shard(flat.layout.flatten([torch.full_like(p, _tp_weight(names[id(p)], tp),
+                                                                   dtype=torch.float64) for p in flat.params],
+                                                  dtype=torch.float64), d)
+            for flat in optimizer.flat_params]
+
+
+def _sharded_gradients(optimizer: ShardedOptimizer, weights: list[torch.Tensor]
                        ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """ZeRO-1's reduce-scatter, done before the update so the shards can be clipped: this rank's shard of each flat
     buffer's DP-averaged gradient, set as its optimizer parameter's gradient, with the weight of each element."""
     out = []
-    for flat in optimizer.flat_params:
+    for flat, weight in zip(optimizer.flat_params, weights):
         shard = optimizer.gradient_shard(flat)
         flat.optimizer_param().grad = shard
-        weights = flat.layout.flatten([torch.full_like(p, _tp_weight(names[id(p)], tp), dtype=torch.float64)
-                                       for p in flat.params], dtype=torch.float64)
-        out.append((shard, flat.layout.shard(weights, d)))
+        out.append((shard, weight))
     return out
 
 
@@ -283,6 +290,7 @@ def capstone_worker(ckpt_dir: str, *, attempt: int = 0, fault: Fault | None = No
     def loss_fn(local_logits, targets):
         return vocab_parallel_cross_entropy(local_logits, targets, groups.tp)
 
+    shard_weights = _shard_weights(optimizer, names, tp, d) if zero else None
     out = {"rank": rank, "coords": groups.coords, "start": start, "losses": {}, "step_times": {}, "bytes": {},
            "norms": {}, "precision": precision, "fp8_layers": fp8_layers}
     pending, grad_bytes = None, 0
@@ -306,7 +314,7 @@ def capstone_worker(ckpt_dir: str, *, attempt: int = 0, fault: Fault | None = No
                     "pp": traffic.total("payload_bytes", ("isend", "send"))}
             before = comm.snapshot()
             if zero:
-                shards = _sharded_gradients(optimizer, names, tp, d)
+                shards = _sharded_gradients(optimizer, shard_weights)
                 norm = clip_global_norm(shards, groups, grid, ("dp", "pp", "tp"))
                 optimizer.optim.step()
                 for flat in optimizer.flat_params:
@@ -435,6 +443,8 @@ def train(train_path: str, ckpt_dir: str = "checkpoints", dp: int = 2, pp: int =
     vocabulary, padded to 50,304. Every attempt (torchrun's ``TORCHELASTIC_RESTART_COUNT``) resumes from the newest
     committed checkpoint; ``kill_rank``/``kill_step`` SIGKILL that rank at that step of the first attempt.
     ``log_every=k`` (torchrun's default is 1): rank 0 prints every k-th step (loss, tokens/s, MFU against ``peak``).
+    Each rank returns one short line's worth (torchrun prints every rank's): the attempt, the step it resumed at,
+    how many steps it trained and its last loss — the curve is rank 0's step lines and ``ckpt_dir/metrics.jsonl``.
     """
     stream = np.fromfile(train_path, dtype=np.uint16).astype(np.int64)
     mapping, vocab = compact_vocabulary(stream) if compact else (None, 50304)
@@ -451,8 +461,9 @@ def train(train_path: str, ckpt_dir: str = "checkpoints", dp: int = 2, pp: int =
                           m=int(microbatches), batch_size=int(batch_size), steps=int(steps), train_path=train_path,
                           mapping=mapping, lr=float(lr), warmup=int(warmup), save_every=int(save_every),
                           zero=int(zero), seed=int(seed), on_step=report.step if report else None)
-    result = {"rank": out["rank"], "attempt": attempt, "start": out["start"],
-              "losses": [out["losses"][k] for k in sorted(out["losses"])]}
+    trained = sorted(out["losses"])
+    result = {"rank": out["rank"], "attempt": attempt, "start": out["start"], "steps": len(trained),
+              "loss": round(out["losses"][trained[-1]], 4) if trained else None}
     if report:
         result["mfu"] = report.finish()["mfu"]
     return result

@@ -421,13 +421,14 @@ class Simulation:
 
 
 def simulate(schedule: Sequence[Sequence[Action]], m: int | None = None, v: int = 1,
-             forward_cost: float | Sequence[float] = 1.0, backward_cost: float | Sequence[float] = 2.0) -> Simulation:
+             forward_cost: float | Sequence[float] = 1.0, backward_cost: float | Sequence[float] = 2.0,
+             message_cost: float = 0.0) -> Simulation:
     """Replay the schedule in unit time and return its timeline, bubble and peak memory.
 
     The rules are the executor's: a rank runs its actions in order; a send or a receive is
     posted without waiting; a compute that consumes a message waits until the message has
-    arrived, which is once both the send and the receive are posted and every earlier
-    message on the same channel (one per direction between two ranks) has arrived. Costs
+    arrived, which is ``message_cost`` after both the send and the receive are posted and every
+    earlier message on the same channel (one per direction between two ranks) has arrived. Costs
     are per stage, so an interleaved rank's stage costs ``1/v`` of its whole-rank work; give
     one cost per rank (measured ones, say) to replay unequal stages. Raises :class:`ScheduleError`
     when no rank can move (a deadlock), saying where each waits.
@@ -452,7 +453,8 @@ def simulate(schedule: Sequence[Sequence[Action]], m: int | None = None, v: int 
         pending = queue.get(channel, [])
         while pending and ("SEND", pending[0]) in posted:
             message = pending.pop(0)
-            t = max(posted[("SEND", message)], posted[("RECV", message)], channel_clock.get(channel, 0.0))
+            ready = max(posted[("SEND", message)], posted[("RECV", message)], channel_clock.get(channel, 0.0))
+            t = ready + message_cost
             arrived[message] = channel_clock[channel] = t
 
     def needed(r: int, a: Action):
