@@ -51,7 +51,7 @@ from distlab.parallel3d.grid import Grid, check_3d_setup, process_groups
 from distlab.pipeline_parallel import StageModule, even_partition, make_schedule, run_schedule
 from distlab.pipeline_parallel.train import keep_freed_memory
 from distlab.runtime import comm
-from distlab.runtime.rank import device
+from distlab.runtime.rank import device, native_bf16
 from distlab.runtime.timeline import span
 from distlab.tensor_parallel import TensorParallelGPT, shard_of, vocab_parallel_cross_entropy
 from distlab.tensor_parallel.gpt import is_replicated
@@ -214,7 +214,7 @@ def _float8_stage(stage: StageModule) -> list[str]:
 
 def _fp8_ran(stage: nn.Module, dev: torch.device) -> str:
     """``"fp8 (native)"`` when every FP8 matmul ran on FP8 tensor cores, else ``"fp8 (emulated)"``: a CPU has no
-    FP8 units (its ``torch._scaled_mm`` dequantises internally), nor a GPU below compute capability 8.9, and a
+    FP8 units (its ``torch._scaled_mm`` converts to a wider type first), nor a GPU below compute capability 8.9, and a
     layer whose shape cuBLASLt refuses noted that it was emulated (:func:`~distlab.fp8.fp8_matmul`)."""
     emulated = any(m.notes for m in stage.modules() if isinstance(m, Float8Linear))
     native = dev.type == "cuda" and scaled_mm_support(dev).tensorwise and not emulated
@@ -263,11 +263,11 @@ def capstone_worker(ckpt_dir: str, *, attempt: int = 0, fault: Fault | None = No
     if save_every < 1:
         raise ValueError(f"save_every={save_every} must be at least 1 step")
     dev = device()
-    native_bf16 = dev.type == "cuda" and torch.cuda.is_bf16_supported()
-    if precision == "bf16" and dev.type == "cuda" and not native_bf16:
+    has_bf16 = native_bf16(dev)
+    if precision == "bf16" and dev.type == "cuda" and not has_bf16:
         raise ValueError(f"precision='bf16' on {torch.cuda.get_device_name(dev)}, which has no bf16: use 'auto' "
                          f"(fp32 there) or 'fp32'")
-    precision = ("bf16" if native_bf16 else "fp32") if precision == "auto" else precision
+    precision = ("bf16" if has_bf16 else "fp32") if precision == "auto" else precision
     keep_freed_memory()
     groups = process_groups(grid)
     d, s = groups.coords["dp"], groups.coords["pp"]

@@ -32,6 +32,7 @@ from distlab.pipeline_parallel.partition import even_partition
 from distlab.pipeline_parallel.schedules import SCHEDULES, Action, make_schedule
 from distlab.reference import make_optimizer, train_reference
 from distlab.runtime.rank import device as rank_device
+from distlab.runtime.rank import native_bf16
 from distlab.runtime.timeline import span
 
 __all__ = [
@@ -264,7 +265,7 @@ def train(steps: int = 20, schedule: str = "1f1b", microbatches: int = 8, virtua
         dist.broadcast(value, src=last)
         report.step(step, value.item(), seconds)
 
-    dtype = torch.bfloat16 if dev.type == "cuda" and torch.cuda.is_bf16_supported() else None
+    dtype = torch.bfloat16 if native_bf16(dev) else None
     if dist.get_rank() == 0:
         print(f"pipeline of {dist.get_world_size()} ranks on {dev.type}, "
               f"{'bf16' if dtype is not None else 'fp32'} stages, schedule {schedule}", flush=True)

@@ -29,6 +29,7 @@ from distlab.model import Block, GPTConfig
 from distlab.reference import make_optimizer
 from distlab.runtime import comm
 from distlab.runtime.rank import device as rank_device
+from distlab.runtime.rank import native_bf16
 from distlab.runtime.timeline import span
 from distlab.workload import build_model, local_batches
 from distlab.zero.flat import Axis, check_shard_size, flat_params_of, gather_flat, mesh_axes
@@ -47,7 +48,7 @@ _DTYPES = {None: None, "fp32": None, "bf16": torch.bfloat16}
 def compute_dtype(device: torch.device) -> tuple[torch.dtype, str]:
     """The low-precision dtype for compute copies on ``device``, and one line saying why."""
     if device.type == "cuda":
-        if torch.cuda.is_bf16_supported():
+        if native_bf16(device):
             return torch.bfloat16, f"bf16 on {torch.cuda.get_device_name(device)} (compute capability 8.0+)"
         return torch.float32, ("this GPU has no bf16; fp16 would need loss scaling, which this lab does not "
                                "build: computing in fp32")
