@@ -8,9 +8,9 @@
   pipelines). A rank posts sends and receives without waiting (``isend``/``irecv``: a blocking
   ``recv`` costs about five times more on gloo); only a compute waits, for its own input. With a
   group per direction and kind, a message never queues behind one going the other way or of the
-  other kind — under NCCL a group's point-to-point ops run in order on one stream, so sharing one
-  group between the activations going forward and the gradients coming back could deadlock 1F1B,
-  and a V sends activations and gradients the same way between the same two ranks.
+  other kind — an NCCL send or receive blocks its stream until its partner has matched it, so
+  sharing one group between the activations going forward and the gradients coming back could
+  deadlock 1F1B, and a V sends activations and gradients the same way between the same two ranks.
 * :func:`run_schedule` — executes one rank's actions for one optimizer step: forwards
   keep their input and output for the backward, the last stage's loss is divided by
   the number of micro-batches so the accumulated gradient is the full-batch mean, a backward
@@ -143,6 +143,8 @@ class Channels:
                         self.groups[(src, dst, kind)] = made
 
     def send(self, tensor: torch.Tensor, dst: int, kind: str = "act"):
+        """``isend`` to pipeline rank ``dst`` on the channel for ``kind`` (code that passes no kind sends
+        activations and gradients on one channel per direction, which a looped schedule's order allows)."""
         return dist.isend(tensor.contiguous(), self.pipeline[dst], group=self.groups[(self.rank, dst, kind)])
 
     def recv(self, buffer: torch.Tensor, src: int, kind: str = "act"):

@@ -54,13 +54,16 @@ def measured_stage_times(spans: Sequence[Span], ranks: int, v: int = 1) -> dict[
                    for r in range(ranks)] for kind in kinds}
 
 
-def replay(spans: Sequence[Span], schedule: Sequence[Sequence[Action]], m: int, v: int = 1) -> Simulation:
+def replay(spans: Sequence[Span], schedule: Sequence[Sequence[Action]], m: int, v: int = 1,
+           message_cost: float = 0.0) -> Simulation:
     """The step an ideal executor would have run with these spans' own compute: every forward and backward of
     one step (``spans``, e.g. :func:`step_spans`) takes the time it took, and starts as soon as its rank is free
     and its input there, messages costing nothing (:func:`~distlab.pipeline_parallel.schedules.simulate` with
     ``durations``). Its bubble is what the schedule costs at the measured, unequal and jittery compute; a
     measured bubble above it is the executor's own cost (Python between actions, messages in flight, a
-    receive posted late), not the schedule's. Each rank's spans, in time order, are its schedule's computes."""
+    receive posted late), not the schedule's; ``message_cost`` (seconds per message, a measured transfer
+    time) charges the wire, so what remains above that replay is the executor's alone. Each rank's spans,
+    in time order, are its schedule's computes."""
     durations = {}
     for r, ops in enumerate(schedule):
         computes = [a for a in ops if a.kind in COMPUTE]
@@ -73,7 +76,7 @@ def replay(spans: Sequence[Span], schedule: Sequence[Sequence[Action]], m: int, 
                 raise ValueError(f"rank {r}: span {s.label!r} is where the schedule runs {a!r}: these spans are not "
                                  f"this schedule's")
             durations[tuple(a)] = s.duration
-    return simulate(schedule, m, v, durations=durations)
+    return simulate(schedule, m, v, durations=durations, message_cost=message_cost)
 
 
 # Each rank's idle share over one window common to all ranks; ``bottleneck``, ``fraction`` (the bubble) and

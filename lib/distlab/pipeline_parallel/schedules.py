@@ -659,7 +659,8 @@ class Simulation:
 
 def simulate(schedule: Sequence[Sequence[Action]], m: int | None = None, v: int = 1,
              forward_cost: float | Sequence[float] = 1.0, backward_cost: float | Sequence[float] = 2.0,
-             durations: Mapping[tuple[str, int, int], float] | None = None, fuse_pairs: bool = False) -> Simulation:
+             durations: Mapping[tuple[str, int, int], float] | None = None, fuse_pairs: bool = False,
+             message_cost: float = 0.0) -> Simulation:
     """Replay the schedule in unit time and return its timeline, bubble and peak memory.
 
     The rules are the executor's: a rank runs its actions in order; a send or a receive is
@@ -671,7 +672,9 @@ def simulate(schedule: Sequence[Sequence[Action]], m: int | None = None, v: int 
     (``I`` and ``W`` half a backward each); give one cost per rank (measured ones, say) to replay
     unequal stages, or ``durations`` — each compute action's own time, by ``(kind, micro-batch,
     stage)`` — to replay a measured step exactly. Where each stage lives is read off the schedule.
-    ``fuse_pairs``: a forward followed by a full backward of another stage runs as one unit that starts
+    ``message_cost``: the time a message takes from the moment both ends are posted (free by default; give
+    a measured transfer time to see what the wire alone adds). ``fuse_pairs``: a forward followed by a full
+    backward of another stage runs as one unit that starts
     once both inputs are there — DualPipe's overlapped ``F&B`` pair, as a GPU runs it (the executor here
     runs the two one after the other). Raises :class:`ScheduleError` when no rank can move (a deadlock),
     saying where each waits.
@@ -701,7 +704,8 @@ def simulate(schedule: Sequence[Sequence[Action]], m: int | None = None, v: int 
         pending = queue.get(channel, [])
         while pending and ("SEND", pending[0]) in posted:
             message = pending.pop(0)
-            t = max(posted[("SEND", message)], posted[("RECV", message)], channel_clock.get(channel, 0.0))
+            both_posted = max(posted[("SEND", message)], posted[("RECV", message)])
+            t = max(both_posted, channel_clock.get(channel, 0.0)) + message_cost
             arrived[message] = channel_clock[channel] = t
 
     def needed(r: int, a: Action):

@@ -119,7 +119,8 @@ def pipeline_worker(schedule: str | Sequence[Sequence[Action]] = "1f1b", cfg: GP
 
     Returns ``rank``, ``stages`` (global indices held), ``losses`` (the batch loss per step,
     on the rank holding the last stage; else None), ``step_times`` (after ``warmup``),
-    ``peak_in_flight``, ``peak_activation_bytes`` (with ``track_memory``), ``sent_bytes``
+    ``peak_in_flight`` (micro-batches' activations, a stage of ``v`` per rank counting ``1/v``),
+    ``peak_activation_bytes`` (with ``track_memory``), ``sent_bytes``
     per step and ``state`` (this rank's parameters after training). ``on_step(step, loss, seconds)``
     is called on every rank after every step (``loss`` None off the last stage).
     """
@@ -170,6 +171,8 @@ def pipeline_worker(schedule: str | Sequence[Sequence[Action]] = "1f1b", cfg: GP
         out["sent_bytes"] = stats.sent_bytes
         if on_step is not None:
             on_step(step, out["losses"][-1], elapsed)
+    if float(out["peak_in_flight"]).is_integer():  # whole micro-batches (any looped v = 1 schedule) print as such
+        out["peak_in_flight"] = int(out["peak_in_flight"])
     out["state"] = _merged_state(stages) if return_state else None
     return out
 
