@@ -308,6 +308,12 @@ def check_v_schedule(zero_bubble_v_fn) -> str:
                     "micro-batch back down the ranks, so rank r's second stage is 2p - 1 - r" if looped else
                     ": a V runs stages 0 … p-1 down the ranks and p … 2p-1 back up, so rank r holds r and 2p - 1 - r")
             raise CheckFailed(f"{where}: your stages are placed {_describe_placement(placed, p)}{hint}")
+        for r, ops in enumerate(schedule):
+            first = next((a for a in ops if getattr(a, "kind", None) == "F"), None)
+            if first is not None and first.stage != r:
+                raise CheckFailed(f"{where}: rank {r} starts with stage {first.stage}, its stage on the way back up; "
+                                  f"a micro-batch enters the V at stage 0 and goes down first, so every rank starts "
+                                  f"with its first stage, r")
         try:
             validate(schedule, m, 2, placement="v")
         except ScheduleError as error:
