@@ -25,7 +25,8 @@ busy.
     python benchmarks/bench_capstone.py            # about two minutes on 2 cores (six calibrations, nine runs)
     python benchmarks/bench_capstone.py --quick    # a smoke run: 1 run of 6 steps per layout
 
-Results go to ``benchmarks/results/capstone.{json,txt}``. Exit status 1 when a target is missed faithfully.
+Results go to ``benchmarks/results/capstone.{json,txt}``. Exit status 1 when a target is missed faithfully. At a
+terminal a bar counts the runs (rate, ETA) under the lines they print; the runs themselves draw none.
 """
 
 from __future__ import annotations
@@ -57,6 +58,7 @@ from distlab.data.shards import read_shard
 from distlab.model import GPTConfig, training_flops_per_token
 from distlab.parallel3d.calibration import calibrate
 from distlab.parallel3d.planner import Layout, ModelShape, calibrated_cluster, estimate, prediction_lines
+from distlab.runtime.progress import progress
 
 LAYOUTS = ((4, 1, 1), (2, 2, 1), (2, 2, 2))  # (DP, PP, TP): one axis more each time
 SHARED = Path(__file__).resolve().parents[2] / "shared" / "data"
@@ -82,10 +84,11 @@ def data(work: Path):
     return split.train, mapping, vocab
 
 
-def measure_layouts(world: int, layouts, cfg: GPTConfig, args, train_path, mapping, work: Path) -> dict:
+def measure_layouts(world: int, layouts, cfg: GPTConfig, args, train_path, mapping, work: Path, bar) -> dict:
     """``args.repeats`` rounds on ``world`` ranks: each calibrates afresh, then for each layout prints the prediction
     and only then runs it, keeping the run's card. A calibration just before the runs it prices sees the load they
-    see (on a shared machine the load moves within minutes; on a quiet one every round's calibration is the same)."""
+    see (on a shared machine the load moves within minutes; on a quiet one every round's calibration is the same).
+    ``bar`` counts the runs; the lines print through it, above the bar."""
     model = ModelShape.from_config(cfg, "the capstone GPT")
     flops = training_flops_per_token(model.n_params - model.embedding_params, cfg.n_layer, cfg.d_model, cfg.seq_len)
     out = {}
@@ -93,28 +96,29 @@ def measure_layouts(world: int, layouts, cfg: GPTConfig, args, train_path, mappi
     try:
         for repeat in range(args.repeats):
             calibration = calibrate(ranks, cfg, micro_batch=(1,), refresh=True)
-            print(f"round {repeat}: " + calibration.summary(), flush=True)
+            bar.write(f"round {repeat}: " + calibration.summary())
             machine = calibrated_cluster(calibration, 1e9)  # no memory limit: the layouts are given, not chosen
             for dp, pp, tp in layouts:
                 predicted = estimate(model, machine, Layout(dp=dp, pp=pp, tp=tp, zero=1, m=args.batch // dp),
                                      args.batch, precision="fp32", calibration=calibration)
-                print("\n".join(prediction_lines(predicted, model)), flush=True)  # before the run it predicts
+                bar.write("\n".join(prediction_lines(predicted, model)))  # before the run it predicts
                 run = ranks.run(capstone_worker, args=(str(work / f"{dp}{pp}{tp}-{repeat}"),), show_output=False,
                                 kwargs=dict(cfg=cfg, dp=dp, pp=pp, tp=tp, m=predicted.layout.m,
                                             batch_size=args.batch, steps=args.steps, train_path=str(train_path),
-                                            mapping=mapping, lr=3e-3, warmup=5, save_every=args.steps + 1, zero=1))
+                                            mapping=mapping, lr=3e-3, warmup=5, save_every=args.steps + 1, zero=1,
+                                            progress=False))
                 trace = run.trace()
                 report = derive_report(list(run), trace, flops, args.batch * cfg.seq_len, calibration.peak_flops)
                 busiest = max((r["memory"] for r in run), key=lambda m: sum(m.values()))
                 rows = card_rows(report, busiest, predicted, model)
-                print("  measured: " + ", ".join(f"{row.figure} {row.ratio:.2f}×" for row in rows if row.predicted),
-                      flush=True)
+                bar.write("  measured: " + ", ".join(f"{row.figure} {row.ratio:.2f}×" for row in rows if row.predicted))
                 layout = out.setdefault(str(predicted.layout), {"ranks": world, "runs": [], "loads": []})
                 layout["loads"].append(os.getloadavg()[0])
                 layout["runs"].append({"figures": {row.figure: [row.measured, row.predicted, row.ratio, row.unit]
                                                    for row in rows},
                                        "terms": measured_terms(list(run), trace), "predicted_terms": predicted.terms(),
                                        "calibration": calibration.to_json()})
+                bar.update()
     finally:
         ranks.close()
     return out
@@ -150,9 +154,10 @@ def main(argv=None) -> int:
         train_path, mapping, vocab = data(work)
         cfg = GPTConfig(vocab_size=vocab, seq_len=64, n_layer=4, n_head=4, d_model=64, tied_embeddings=False)
         measured = {}
-        for world in sorted({dp * pp * tp for dp, pp, tp in LAYOUTS}):
-            mine = [shape for shape in LAYOUTS if shape[0] * shape[1] * shape[2] == world]
-            measured.update(measure_layouts(world, mine, cfg, args, train_path, mapping, work))
+        with progress(total=args.repeats * len(LAYOUTS), desc="capstone runs", unit="run") as bar:
+            for world in sorted({dp * pp * tp for dp, pp, tp in LAYOUTS}):
+                mine = [shape for shape in LAYOUTS if shape[0] * shape[1] * shape[2] == world]
+                measured.update(measure_layouts(world, mine, cfg, args, train_path, mapping, work, bar))
     finally:
         shutil.rmtree(work, ignore_errors=True)
     cpus = results.machine()["cpus"]

@@ -39,6 +39,7 @@ from distlab.fault_tolerance import latest_checkpoint
 from distlab.model import GPTConfig, synthetic_batch
 from distlab.parallel3d.grid import Grid
 from distlab.parallel3d.planner import Cluster, Layout, ModelShape, plan
+from distlab.runtime import progress
 from wrong_answers import solution_namespace
 
 pytestmark = pytest.mark.timeout(300)
@@ -172,6 +173,23 @@ def test_fp8_swaps_each_block_linear_and_trains_close_to_fp32(ranks, tokens, tmp
     gaps = [abs(a - b) for a, b in zip(replica_losses(fp8).values(), reference)]
     # measured: at most 3.1e-3 nats, 7.6e-4 relative; the fp32 grid's rounding is below 1e-5
     assert max(gaps) > 1e-4 and max(g / b for g, b in zip(gaps, reference)) < 1e-2
+
+
+def test_the_steps_show_one_bar_for_the_job_where_a_person_watches_and_none_headless(ranks, tokens, tmp_path,
+                                                                                     monkeypatch, capfd):
+    kw = dict(cfg=CFG, dp=2, pp=2, tp=1, m=2, batch_size=4, steps=3, train_path=str(tokens), save_every=2)
+    ranks.run(capstone_worker, args=(str(tmp_path / "headless"),), kwargs=kw)
+    assert capfd.readouterr() == ("", "")  # pytest is headless, as nbval and CI
+    monkeypatch.setattr(progress, "audience", lambda: "terminal")
+    run = ranks.run(capstone_worker, args=(str(tmp_path / "resumed"),), kwargs=dict(kw, steps=2))
+    resumed = ranks.run(capstone_worker, args=(str(tmp_path / "resumed"),), kwargs=kw)  # from the step-2 checkpoint
+    assert [r["start"] for r in (run[0], resumed[0])] == [0, 2]
+    drawn = capfd.readouterr().err.replace("\r", "\n")
+    for last in ("2/2", "3/3"):  # the resumed run's bar starts at step 2 of 3
+        assert re.search(rf"capstone steps: 100%\|.*\| {last} \[", drawn), drawn
+    assert "[rank" not in drawn  # the launcher's one bar, no rank's own
+    ranks.run(capstone_worker, args=(str(tmp_path / "off"),), kwargs=dict(kw, progress=False))
+    assert "capstone steps" not in capfd.readouterr().err
 
 
 def test_an_unknown_precision_or_fp8_with_tensor_parallelism_fails_in_one_line(tokens, tmp_path):

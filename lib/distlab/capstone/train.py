@@ -51,6 +51,7 @@ from distlab.parallel3d.grid import Grid, check_3d_setup, process_groups
 from distlab.pipeline_parallel import StageModule, even_partition, make_schedule, run_schedule
 from distlab.pipeline_parallel.train import keep_freed_memory
 from distlab.runtime import comm
+from distlab.runtime.progress import progress as progress_bar
 from distlab.runtime.rank import device, native_bf16
 from distlab.runtime.timeline import span
 from distlab.tensor_parallel import TensorParallelGPT, shard_of, vocab_parallel_cross_entropy
@@ -226,7 +227,7 @@ def capstone_worker(ckpt_dir: str, *, attempt: int = 0, fault: Fault | None = No
                     mapping: np.ndarray | None = None, lr: float = 3e-3, warmup: int = 5, save_every: int = 10,
                     async_save: bool = True, zero: int = 1, seed: int = 0,
                     resume: Callable[[str, GridTrainState], int] = resume_from_latest,
-                    on_step: Callable | None = None, precision: str = "fp32") -> dict:
+                    on_step: Callable | None = None, precision: str = "fp32", progress: bool = True) -> dict:
     """Train ``GPT(cfg, seed)`` on a ``dp × pp × tp`` grid for ``steps`` updates over ``train_path``'s tokens,
     resuming with ``resume(ckpt_dir, state)`` and checkpointing every ``save_every`` steps into ``ckpt_dir``.
 
@@ -237,7 +238,9 @@ def capstone_worker(ckpt_dir: str, *, attempt: int = 0, fault: Fault | None = No
     ``rank``, ``coords``, ``start`` (the step it resumed at), per step ``losses`` (the global batch's mean loss,
     on every rank), ``step_times``, ``bytes`` (payload sent along each axis) and ``norms``, the ``state`` of its
     shards, and ``memory``: the bytes of its weights, gradients and optimizer state. ``on_step(step, loss,
-    seconds)`` is called on every rank after every step.
+    seconds)`` is called on every rank after every step. ``progress``: a bar of the steps (rate, ETA) where a person
+    watches — one for the job, drawn by the launcher (:mod:`distlab.runtime.progress`), none under nbval or CI;
+    ``False`` for none (a benchmark's timed runs; :func:`train`, when rank 0 prints a line per step).
 
     ``precision``: ``"fp32"``; ``"bf16"``, the forward and backward under ``torch.autocast`` in bfloat16 (weights,
     gradients, Adam and every reduction stay fp32: gloo has no bf16 reduction for every op, and the stages still
@@ -294,7 +297,8 @@ def capstone_worker(ckpt_dir: str, *, attempt: int = 0, fault: Fault | None = No
     out = {"rank": rank, "coords": groups.coords, "start": start, "losses": {}, "step_times": {}, "bytes": {},
            "norms": {}, "precision": precision, "fp8_layers": fp8_layers}
     pending, grad_bytes = None, 0
-    for step in range(start, steps):
+    for step in progress_bar(range(start, steps), initial=start, desc="capstone steps", unit="step",
+                             disable=not progress):
         if fault is not None:
             fault.maybe_kill(rank, step)
         with span(f"step{step}", kind="other"):
@@ -442,7 +446,8 @@ def train(train_path: str, ckpt_dir: str = "checkpoints", dp: int = 2, pp: int =
     tokens the shard uses (every rank computes the same mapping from the same file); ``compact=False`` keeps GPT-2's
     vocabulary, padded to 50,304. Every attempt (torchrun's ``TORCHELASTIC_RESTART_COUNT``) resumes from the newest
     committed checkpoint; ``kill_rank``/``kill_step`` SIGKILL that rank at that step of the first attempt.
-    ``log_every=k`` (torchrun's default is 1): rank 0 prints every k-th step (loss, tokens/s, MFU against ``peak``).
+    ``log_every=k`` (torchrun's default is 1): rank 0 prints every k-th step (loss, tokens/s, MFU against ``peak``);
+    ``log_every=0``: no step lines, a progress bar of the steps on rank 0's terminal instead.
     Each rank returns one short line's worth (torchrun prints every rank's): the attempt, the step it resumed at,
     how many steps it trained and its last loss — the curve is rank 0's step lines and ``ckpt_dir/metrics.jsonl``.
     """
@@ -460,7 +465,8 @@ def train(train_path: str, ckpt_dir: str = "checkpoints", dp: int = 2, pp: int =
     out = capstone_worker(ckpt_dir, attempt=attempt, fault=fault, cfg=cfg, dp=int(dp), pp=int(pp), tp=int(tp),
                           m=int(microbatches), batch_size=int(batch_size), steps=int(steps), train_path=train_path,
                           mapping=mapping, lr=float(lr), warmup=int(warmup), save_every=int(save_every),
-                          zero=int(zero), seed=int(seed), on_step=report.step if report else None)
+                          zero=int(zero), seed=int(seed), on_step=report.step if report else None,
+                          progress=report is None)
     trained = sorted(out["losses"])
     result = {"rank": out["rank"], "attempt": attempt, "start": out["start"], "steps": len(trained),
               "loss": round(out["losses"][trained[-1]], 4) if trained else None}
