@@ -53,11 +53,17 @@ def ray_processes() -> list[psutil.Process]:
     return found
 
 
+# What Ray adds below its root for its longest socket: /ray-XXXXXXXX (the fixture's folder),
+# /session_2026-11-29_11-14-51_403943_<pid up to 7 digits>, /sockets/plasma_store.1.
+_RAY_SOCKET_SUFFIX = len("/ray-XXXXXXXX") + len("/session_2026-11-29_11-14-51_403943_4194304") + len(
+    "/sockets/plasma_store.1")
+
+
 def short_temp_root() -> str:
-    """The machine's temporary folder, or ``/tmp`` where that path is long (macOS): Ray's socket paths, made
-    under it, must fit in 107 bytes."""
+    """The machine's temporary folder, or ``/tmp`` where that path is too long (macOS's ``/var/folders/…``, a
+    fresh machine's scratch folder): Ray's socket paths, made under it, must fit in 107 bytes (``man 7 unix``)."""
     temp = tempfile.gettempdir()
-    return temp if len(temp) <= 48 else "/tmp"
+    return temp if len(os.fsencode(temp)) + _RAY_SOCKET_SUFFIX <= 107 else "/tmp"
 
 
 @pytest.fixture(scope="module")
