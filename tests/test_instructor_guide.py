@@ -163,7 +163,9 @@ def test_every_command_in_the_guide_runs_as_written(scratch_class, no_leftover_r
             for command in block:
                 if "--changed" in command:  # carol resubmits, fixed, before the regrade
                     _edit(scratch_class / "submissions" / "carol" / "00_setup.ipynb", WRONG, RIGHT)
+                started = time.monotonic()
                 status, output = terminal.run(command, timeout=600)
+                print(f"{time.monotonic() - started:6.1f} s  {command[:100]}")  # where the test's time goes (-s)
                 assert status == 0, f"`{command}` exited {status}, nothing activated first:\n{output[-3000:]}"
                 if "--changed" in command:
                     regrade = output
