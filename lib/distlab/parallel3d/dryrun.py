@@ -399,7 +399,8 @@ def rank_step(spec: DryRunSpec, dry: bool | None = None) -> dict:
     ``params``, ``grads``, ``optimizer``, ``activations`` (the peak autograd saved for backward), ``peak``
     (parameters and optimizer state plus the peak of everything the step allocated), ``peak_phase``, and
     ``phases``: for :data:`FORWARD_BACKWARD` and :data:`OPTIMIZER_STEP` the peak within it and what the step's
-    allocations were then, by kind (:class:`LiveBytes`: ``"grads"``, ``"sent"``, or the phase that made them).
+    allocations were then, by kind (:class:`LiveBytes`: ``"grads"``, ``"sent"``, or the phase that made them);
+    and ``loss``, the mean over the micro-batches on the last stage's ranks (NaN dry, None elsewhere).
     """
     rank, start = dist.get_rank(), time.perf_counter()
     dry = dist.get_backend() == "fake" if dry is None else dry
@@ -443,8 +444,8 @@ def rank_step(spec: DryRunSpec, dry: bool | None = None) -> dict:
     first_event = len(log.events)
     with live:
         live.phase = FORWARD_BACKWARD
-        run_schedule(actions, stages, micro, p=layout.pp, num_stages=n_stages, memory=saved, chan=chan,
-                     loss_fn=functools.partial(vocab_parallel_cross_entropy, group=groups.tp))
+        stats = run_schedule(actions, stages, micro, p=layout.pp, num_stages=n_stages, memory=saved, chan=chan,
+                             loss_fn=functools.partial(vocab_parallel_cross_entropy, group=groups.tp))
         grads = tensor_bytes(p.grad for p in params)
         live.phase = OPTIMIZER_STEP
         tp_model.sync_sequence_parallel_grads()
@@ -463,7 +464,8 @@ def rank_step(spec: DryRunSpec, dry: bool | None = None) -> dict:
             "layers": sum(len(stage.layers) for stage in stages.values()), "comm": events,
             "bytes": {axis: sum(e[2] for e in sent if e[1] == axis) for axis in ("tp", "pp", "dp")},
             "calls": {axis: sum(1 for e in sent if e[1] == axis) for axis in ("tp", "pp", "dp")},
-            "memory": memory, "seconds": time.perf_counter() - start}
+            "memory": memory, "seconds": time.perf_counter() - start,
+            "loss": sum(stats.losses.values()) / len(stats.losses) if stats.losses else None}
 
 
 # ---------------------------------------------------------------- in a fresh interpreter
