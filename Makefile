@@ -18,13 +18,24 @@ export TIKTOKEN_CACHE_DIR ?= $(abspath $(VENV_TIKTOKEN))
 
 .PHONY: install lab test test-phases test-latest lock browser-deps solutions labs bench gpu-check clean
 
+# The interpreter .venv is made from: Python 3.10-3.13 with its venv module (a separate package on Debian and
+# Ubuntu, python3-venv). Another one is chosen with `make lab PYTHON=python3.12`. Each way this fails is one line,
+# and a half-made .venv is removed, so the next `make` starts clean.
+MAKE_VENV = { command -v $(PYTHON) >/dev/null || { echo "make: no $(PYTHON) on PATH; name a Python 3.10-3.13 with \
+	make lab PYTHON=python3.12" >&2; exit 1; }; } && \
+	$(PYTHON) -c 'import sys; sys.exit(0 if (3, 10) <= sys.version_info[:2] <= (3, 13) else "make: $(PYTHON) is \
+	Python %d.%d; distlab needs 3.10-3.13: make lab PYTHON=python3.12 (or another 3.10-3.13)" % sys.version_info[:2])' \
+	&& { $(PYTHON) -m venv $(VENV) >/dev/null 2>&1 || { rm -rf $(VENV); echo "make: $(PYTHON) -m venv failed: \
+	on Debian/Ubuntu install python3-venv (python3.X-venv for PYTHON=python3.X), or without root use conda \
+	(README.md)" >&2; exit 1; }; }
+
 # Every dependency but torch installs at the exact version in $(LOCK) (one file, every transitive version,
 # Python 3.10-3.13 on Linux and macOS), so a course that passes today passes next term. `make lock` writes it;
 # CONTRIBUTING says when. torch stays outside the lock: installed only where missing, and on Linux without an
 # NVIDIA GPU from PyTorch's CPU wheel index, falling back to PyPI where that index cannot be reached
 # (tools/install_torch.py says why; README.md what each platform downloads).
 $(STAMP): pyproject.toml $(LOCK)
-	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	@test -x $(PY) || $(MAKE_VENV)
 	$(REAL_PY) -m pip install -q --upgrade pip
 	$(REAL_PY) tools/install_torch.py "$(TORCH_PIN)" --python $(REAL_PY)
 	$(REAL_PY) -m pip install -q -r $(LOCK)

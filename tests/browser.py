@@ -147,6 +147,10 @@ class JupyterLab:
                    IPYTHONDIR=str(dirs["ipython"]))
         env.pop("JUPYTER_TOKEN", None)
         env.pop("JUPYTER_PORT", None)
+        # What a student's JupyterLab sees: no sign of a test run or CI, so the kernel shows what a person
+        # sees (distlab's rank output as HTML, live progress bars: distlab.runtime.output.audience).
+        for name in ("PYTEST_CURRENT_TEST", "CI", "DISTLAB_HEADLESS"):
+            env.pop(name, None)
         return env
 
     def __enter__(self) -> JupyterLab:
@@ -202,6 +206,19 @@ class JupyterLab:
             except psutil.NoSuchProcess:
                 pass
         return found
+
+    def shutdown_kernels(self, timeout: float = 60.0) -> None:
+        """Shut down every kernel through the server's REST API, as the Kernel menu does, and wait for their
+        processes to end (a kernel ends its ranks as it exits): one test's kernels never outlive it."""
+        api = f"{self.url}/api/kernels"
+        with urllib.request.urlopen(f"{api}?token={self.token}", timeout=30) as reply:
+            ids = [kernel["id"] for kernel in json.load(reply)]
+        for kernel_id in ids:
+            request = urllib.request.Request(f"{api}/{kernel_id}?token={self.token}", method="DELETE")
+            urllib.request.urlopen(request, timeout=timeout).close()
+        deadline = time.monotonic() + timeout
+        while [k for k in self.kernels() if alive(k)] and time.monotonic() < deadline:
+            time.sleep(0.1)
 
     def log_tail(self, lines: int = 30) -> str:
         try:
@@ -344,8 +361,10 @@ class NotebookPage:
         return self.driver.execute_script(NOTEBOOK_STATE_JS)
 
     def open(self, url: str, timeout: float) -> dict:
-        """Load JupyterLab at `url` and wait for the notebook's cells and its kernel, started and idle."""
-        self.driver.get(url)
+        """Load JupyterLab at `url` in a fresh workspace (``reset``: a server shared by several tests would
+        otherwise reopen the notebooks of the tests before) and wait for the notebook's cells and its kernel,
+        started and idle."""
+        self.driver.get(url + ("&" if "?" in url else "?") + "reset")
 
         def ready():
             s = self.state()
@@ -372,6 +391,10 @@ class NotebookPage:
         waiting ("[*]:"), and cells with execution counts. A cell that raises ends the run there:
         the cells after it keep an empty prompt, which the caller sees in the returned prompts."""
         self.menu("Run", "Run All Cells")
+        return self.wait_until_drained(timeout)
+
+    def wait_until_drained(self, timeout: float) -> dict:
+        """Wait for the cells queued by Run All to have run (see :meth:`run_all`)."""
 
         def drained():
             s = self.state()

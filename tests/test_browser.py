@@ -87,21 +87,32 @@ def shots(tmp_path):
     return folder
 
 
-@pytest.fixture
-def direct_localhost(monkeypatch):
+@pytest.fixture(scope="module")
+def direct_localhost():
     """Behind a corporate proxy, our requests to the server and to chromedriver go straight to them."""
     current = os.environ.get("no_proxy") or os.environ.get("NO_PROXY") or ""
-    for name in ("no_proxy", "NO_PROXY"):
-        monkeypatch.setenv(name, ",".join(filter(None, [current, "127.0.0.1", "localhost"])))
+    with pytest.MonkeyPatch.context() as patch:
+        for name in ("no_proxy", "NO_PROXY"):
+            patch.setenv(name, ",".join(filter(None, [current, "127.0.0.1", "localhost"])))
+        yield
+
+
+@pytest.fixture(scope="module")
+def lab_server(tmp_path_factory, direct_localhost):
+    """One JupyterLab for every test here: starting one costs a loaded machine many seconds of CPU."""
+    home = tmp_path_factory.mktemp("browser")
+    root = home / "labs"
+    shutil.copytree(REPO / "labs", root)  # the server and the kernel write here, never into the repository
+    with JupyterLab(root, home / "jupyter", start_timeout=START) as lab:
+        yield lab
+    assert not lab.left_behind, f"JupyterLab processes left running: {lab.left_behind}"
 
 
 @pytest.fixture
-def jupyter(tmp_path, direct_localhost):
-    root = tmp_path / "labs"
-    shutil.copytree(REPO / "labs", root)  # the server and the kernel write here, never into the repository
-    with JupyterLab(root, tmp_path / "jupyter", start_timeout=START) as lab:
-        yield lab
-    assert not lab.left_behind, f"JupyterLab processes left running: {lab.left_behind}"
+def jupyter(lab_server):
+    """The shared JupyterLab; the kernels a test started are shut down as it ends, ranks and all."""
+    yield lab_server
+    lab_server.shutdown_kernels()
 
 
 @pytest.fixture
@@ -238,3 +249,60 @@ def test_a_wrong_answer_reaches_its_check_in_run_all_and_grades_the_same(jupyter
     assert graded == shown, f"distlab grade {graded} differs from what the page showed {shown}"
     assert grade.cell_errors == [] and grade.error is None, (grade.cell_errors, grade.error)
     print(f"browser test, wrong answer: {len(cells)} code cells ran; page and grader agree on {shown}")
+
+
+CONSOLE = "console.ipynb"
+CONSOLE_CELLS = [
+    "%load_ext distlab",
+    "%%ranks 2 --threads 1\n"
+    "x = torch.ones(2) * (rank + 1)\n"
+    "print('before', x.tolist())\n"
+    "dist.all_reduce(x)\n"
+    "print('after', x.tolist())",
+    "%%ranks\n"
+    "import time\n"
+    "from distlab.runtime.progress import progress\n"
+    "for step in progress(range(30), desc='steps'):\n"
+    "    time.sleep(0.1)\n"
+    "print('rank', rank, 'still has x =', x.tolist())",
+]
+BAR_JS = """
+const bars = [...document.querySelectorAll('.jp-NotebookPanel .jp-OutputArea-output .widget-hprogress')];
+return bars.map(bar => bar.closest('.widget-hbox').innerText.replace(/\\s+/g, ' ').trim());
+"""
+
+
+def test_a_ranks_cell_shows_per_rank_output_and_a_live_bar_in_jupyterlab(jupyter, browser, shots):
+    """The console in a person's JupyterLab: %%ranks cells on warm ranks keep their names from cell to cell,
+    the ranks' output is grouped with a collapsible block per rank, and a loop on the ranks is a live bar."""
+    notebook = nbformat.v4.new_notebook()
+    notebook.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
+    notebook.cells = [nbformat.v4.new_code_cell(source) for source in CONSOLE_CELLS]
+    nbformat.write(notebook, jupyter.root_dir / CONSOLE)
+    page = NotebookPage(browser, shots)
+    driver = page.driver
+    with page.screenshot_on_failure():
+        page.open(f"{jupyter.url}/lab/tree/{CONSOLE}?token={jupyter.token}", timeout=LOAD)
+        page.menu("Run", "Run All Cells")
+        live = page.wait_for("the ranks' progress bar", lambda: driver.execute_script(BAR_JS), RUN_ALL)
+        page.scroll_to(driver.find_element(By.CSS_SELECTOR, ".widget-hprogress"), "center")
+        page.screenshot("6-ranks-cell-live-bar")
+        cells = page.wait_until_drained(RUN_ALL)["prompts"]
+        assert all(re.fullmatch(r"\[\d+\]:", prompt) for prompt in cells), f"not every cell ran: {cells}"
+        texts = [o["text"] for o in driver.execute_script(OUTPUTS_JS)]
+        assert ["[rank 0] before [1.0, 1.0]", "[rank 1] before [2.0, 2.0]", "[ranks 0, 1] after [3.0, 3.0]"] == (
+            texts[1].splitlines()[:3]), f"the first %%ranks cell shows {texts[1]!r}"
+        assert "[rank 0] rank 0 still has x = [3.0, 3.0]" in texts[2] and (
+            "[rank 1] rank 1 still has x = [3.0, 3.0]" in texts[2]), f"x did not persist: {texts[2]!r}"
+        [bar] = driver.execute_script(BAR_JS)
+        assert re.search(r"steps: 100%.*30/30 \[[\d:]+<[\d:]+, +[\d.]+it/s\]", bar), f"the bar reads {bar!r}"
+        rank_blocks = driver.find_elements(By.CSS_SELECTOR, ".jp-OutputArea-output details summary")
+        assert [b.text for b in rank_blocks] == ["rank 0 · 2 lines", "rank 1 · 2 lines"], (  # the first cell's:
+            [b.text for b in rank_blocks])  # the second's lines are rank by rank already
+        page.scroll_to(rank_blocks[1], "center")
+        rank_blocks[1].click()  # rank 1's whole output, opened as a learner would
+        opened = page.wait_for("rank 1's block to open", lambda: rank_blocks[1].find_element(
+            By.XPATH, "..").find_element(By.TAG_NAME, "pre").text, WIDGET)
+        assert opened.splitlines() == ["before [2.0, 2.0]", "after [3.0, 3.0]"], opened
+        page.screenshot("7-ranks-cells-per-rank-and-bar")
+    print(f"browser test, %%ranks: the bar first read {live[0]!r}; screenshots in {shots}")

@@ -31,7 +31,7 @@ import torch
 
 import distlab
 from cluster_jobs import SIZES
-from distlab import data_parallel, fault_tolerance, moe
+from distlab import fault_tolerance, moe, workload
 from distlab.cli import main as distlab_main
 from distlab.data.tokens import write_token_bin
 from distlab.fault_tolerance import MetricsLog, list_checkpoints, read_checkpoint, verify_checkpoint
@@ -196,8 +196,8 @@ def test_every_worker_across_two_agents_equals_one_process(two_nodes):
         return [statistics.fmean(r[topic]["losses"][i] for r in runs) for i in range(len(runs[0][topic]["losses"]))]
 
     s = SIZES["ddp"]
-    reference = data_parallel.reference_run(_cfg(s), steps=s["steps"] + s["warmup"], batch_size=s["batch_size"] * world,
-                                            optimizer="adamw", lr=1e-3)["losses"]
+    reference = workload.reference_run(_cfg(s), steps=s["steps"] + s["warmup"], batch_size=s["batch_size"] * world,
+                                       optimizer="adamw", lr=1e-3)["losses"]
     assert _worst(rank_mean("ddp"), reference) < 1e-5
     assert _worst(rank_mean("zero3"), reference) < 1e-5  # the same job and sizes, ZeRO-3 over four ranks
     s = SIZES["pp"]
@@ -261,7 +261,8 @@ def test_the_capstone_worker_trains_under_torchrun_and_checkpoints(tmp_path):
     assert steps == ["1", "2", "3", "4"] and "[capstone dp2·pp1·tp1] done: 4 steps" in output, output[-3000:]
     assert [step for step, _ in list_checkpoints(tmp_path / "capstone_ckpt")] == [2, 4]
     results = [ast.literal_eval(line.split("] ", 1)[1]) for line in output.splitlines() if line.startswith("[rank ")]
-    assert len(results) == 2 and results[0]["losses"] == results[1]["losses"]  # the global batch's loss, everywhere
+    assert len(results) == 2 and results[0]["loss"] == results[1]["loss"]  # the global batch's loss, everywhere
+    assert [r["steps"] for r in results] == [4, 4] and "losses" not in results[0]  # one short line per rank
 
 
 # ---------------------------------------------------------------- arguments that cannot work

@@ -192,6 +192,21 @@ def test_nccl_tree_is_not_recursive_doubling():
     assert C.all_reduce_cost("doubling", 1.0, 8) == C.all_reduce_cost("tree", 1.0, 8) == (3, 3.0)
 
 
+def test_in_network_reduction_sends_about_m_and_gloo_wire_counts_its_protocol():
+    """NVLS: each GPU sends its M once and its 1/N of the sum once. gloo's ring: >= 2N segments of <= 1 MiB, a
+    48-byte preamble per segment sent, a ready notice per transfer each way (tests/test_wire.py measures it)."""
+    assert C.in_network_all_reduce_bytes(8e9, 8) == pytest.approx(9e9)
+    assert C.in_network_all_reduce_time(8e9, 8, 0.0, 1e9) < C.ring_all_reduce_time(8e9, 8, 0.0, 1e9)
+    big = C.gloo_all_reduce_wire(4 * 2**20, 4, 0)  # 8 segments of 512 KiB: 6 sent and 6 received per phase
+    assert (big.sends, big.receives, big.protocol) == (12, 12, 36 * 48)
+    assert big.tensor == C.ring_all_reduce_bytes(4 * 2**20, 4)
+    huge = C.gloo_all_reduce_wire(64 * 2**20, 4, 1)  # 64 segments of 1 MiB, 48 forwarded per phase
+    assert (huge.sends, huge.receives) == (96, 96)
+    tiny = [C.gloo_all_reduce_wire(8, 4, rank) for rank in range(4)]  # two non-empty 4-byte segments of eight
+    assert [t.total for t in tiny] == [296, 392, 592, 496]
+    assert C.gloo_all_reduce_wire(8, 1, 0).total == 0
+
+
 def test_fit_alpha_beta_recovers_the_model():
     sizes = [4 * 1024 * 8**i for i in range(5)]
     times = [C.ring_all_reduce_time(m, 4, alpha=20e-6, beta=2e9) for m in sizes]

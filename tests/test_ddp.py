@@ -11,16 +11,13 @@ import torch.distributed as dist
 import distlab
 from distlab.data_parallel import (
     Bucket,
-    EdgeCaseGPT,
     NaiveDDP,
     OverlappedDDP,
     allreduce_buckets,
     allreduce_gradients,
     assign_buckets,
     broadcast_parameters,
-    gradient_bytes,
     pytorch_buckets,
-    reference_run,
     torch_ddp_buckets,
     train,
     train_step,
@@ -30,6 +27,7 @@ from distlab.flops import measure_matmul_peak, mfu, model_flops_per_token, token
 from distlab.grading import CheckFailed, lab03
 from distlab.model import GPT, GPTConfig, flops_per_token
 from distlab.reference import max_abs_diff, train_reference
+from distlab.workload import EdgeCaseGPT, gradient_bytes, reference_run
 
 pytestmark = [pytest.mark.timeout(120)]
 
@@ -124,7 +122,7 @@ def test_bucket_views_share_the_flat_buffer():
 
 def test_reference_run_is_train_reference():
     ours = reference_run(CFG, steps=2, batch_size=4, seed=3, optimizer="adamw", lr=1e-3)
-    from distlab.data_parallel import global_batch
+    from distlab.workload import global_batch
     theirs = train_reference(CFG, [global_batch(CFG, 4, s) for s in range(2)], lr=1e-3, optimizer="adamw", seed=3)
     assert max_abs_diff(ours["state"], theirs.state_dict)[1] == 0.0
     assert ours["losses"] == theirs.losses
@@ -246,7 +244,7 @@ def test_missing_finish_is_a_clear_error_not_a_hang(ranks2):
     def forgets():
         model = GPT(CFG)
         ddp = OverlappedDDP(model, 4096)
-        x, y = distlab.data_parallel.local_batches(CFG, 4, 0, dist.get_rank(), 2)[0]
+        x, y = distlab.workload.local_batches(CFG, 4, 0, dist.get_rank(), 2)[0]
         ddp(x, y)[1].backward()
         ddp(x, y)  # no finish_gradient_sync()
 

@@ -13,9 +13,17 @@ import pytest
 
 import distlab.grading as grading
 from distlab.grading.cells import cells_to_skip, python_source
-from distlab.grading.classroom import grade_notebook, lab_number
-from distlab.grading.registry import Exercise, all_exercises, exercises_of_lab
-from distlab.notebooks import NotebookError, build_labs, exercise_ids, make_lab, strip_solutions
+from distlab.grading.classroom import grade_notebook
+from distlab.grading.registry import Exercise, all_exercises, exercises_of_lab, lab_number
+from distlab.notebooks import (
+    KERNELSPEC,
+    NotebookError,
+    build_labs,
+    exercise_ids,
+    make_lab,
+    stale_kernelspecs,
+    strip_solutions,
+)
 
 REPO = Path(__file__).resolve().parents[1]
 SOLUTIONS = sorted((REPO / "solutions").glob("[0-9][0-9]_*.ipynb"))
@@ -92,6 +100,17 @@ def test_build_labs_writes_then_reports_in_sync(tmp_path):
 def test_committed_labs_are_in_sync_with_solutions():
     stale = build_labs(REPO / "solutions", REPO / "labs", check_only=True)
     assert stale == [], f"run `make labs`: out of date: {stale}"
+
+
+def test_every_notebook_names_the_kernel_make_install_registers():
+    """JupyterLab rewrites a notebook's kernelspec to the running kernel's when it opens it: a notebook naming
+    another display name opens marked modified. The one `make install` registers is what every notebook stores."""
+    from jupyter_client.kernelspec import KernelSpecManager  # noqa: PLC0415  only this test asks for kernelspecs
+
+    installed = KernelSpecManager().get_kernel_spec(KERNELSPEC["name"])
+    assert (installed.display_name, installed.language) == (KERNELSPEC["display_name"], KERNELSPEC["language"])
+    notebooks = SOLUTIONS + sorted((REPO / "labs").glob("[0-9][0-9]_*.ipynb"))
+    assert stale_kernelspecs(notebooks) == [], "run `make labs` (distlab notebooks tag stores the kernelspec)"
 
 
 def _cell_ast(source: str) -> ast.Module:

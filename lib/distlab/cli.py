@@ -33,7 +33,7 @@ from distlab.grading.submissions import (
     write_feedback,
     write_gradescope,
 )
-from distlab.notebooks import build_labs, execute, tag_grader_skips
+from distlab.notebooks import build_labs, execute, set_kernelspec, stale_kernelspecs, tag_grader_skips
 
 # Subcommands that own their argument parsing: name -> "module:function(argv) -> int".
 DELEGATED = {"data": "distlab.data.cli:main", "doctor": "distlab.doctor:main"}
@@ -51,24 +51,33 @@ def _labs(args) -> int:
         names = ", ".join(str(p) for p in stale)
         print(f"labs/ is out of sync with solutions/: {names}\nrun `make labs` (or `distlab labs`) and commit.")
         return 1
+    respec = stale_kernelspecs(sorted(Path(args.solutions).glob("[0-9][0-9]_*.ipynb")))
+    if args.check and respec:
+        print(f"these solutions name another kernelspec than distlab.notebooks.KERNELSPEC: "
+              f"{', '.join(map(str, respec))}\nrun `make labs` (`distlab notebooks tag` stores it) and commit.")
+        return 1
     verb = "in sync" if args.check else f"rebuilt {len(stale)}"
     print(f"labs: {verb} ({len(list(Path(args.solutions).glob('[0-9][0-9]_*.ipynb')))} notebooks)")
     return 0
 
 
 def _tag(args) -> int:
-    """Keep each solution's ``grader-skips`` tags on exactly the cells no check needs; with --check, only say."""
+    """Keep each solution's ``grader-skips`` tags on exactly the cells no check needs, and its kernelspec the
+    installed kernel's (``distlab.notebooks.KERNELSPEC``); with --check, only say."""
     stale = []
     for path in args.paths:
         notebook = nbformat.read(path, as_version=4)
-        if tag_grader_skips(notebook):
+        retagged = tag_grader_skips(notebook)
+        if set_kernelspec(notebook) or retagged:
             stale.append(path)
             if not args.check:
                 nbformat.write(notebook, path)
     if args.check and stale:
-        print(f"grader-skips tags are stale in {', '.join(stale)}: run `distlab notebooks tag {' '.join(stale)}`")
+        print(f"grader-skips tags or the kernelspec are stale in {', '.join(stale)}: "
+              f"run `distlab notebooks tag {' '.join(stale)}`")
         return 1
-    print(f"grader-skips tags: {'stale in ' + str(len(stale)) if stale else 'current in all'} of {len(args.paths)}")
+    print(f"grader-skips tags and kernelspec: {'updated in ' + str(len(stale)) if stale else 'current in all'} "
+          f"of {len(args.paths)}")
     return 0
 
 
@@ -83,7 +92,8 @@ def _grade(args) -> int:
     submissions = collect(args.paths)
     missing = [str(p) for p, _ in submissions if not p.is_file()]
     if missing or not submissions:
-        print(f"distlab grade: no such notebook: {', '.join(missing) or ' '.join(args.paths)}", file=sys.stderr)
+        print(f"distlab grade: no such notebook: {', '.join(missing) or ' '.join(args.paths)}"
+              + _unmatched_pattern_hint(missing), file=sys.stderr)
         return 2
     if args.changed and not args.json:
         print("distlab grade: --changed needs --json FILE (the last report, which it reads and rewrites)",
@@ -95,6 +105,9 @@ def _grade(args) -> int:
             if deadline else {}
     except ValueError as error:
         print(f"distlab grade: {error}", file=sys.stderr)
+        return 2
+    except OSError as error:  # only --times is opened here: the notebooks were found above
+        print(f"distlab grade: --times {args.times}: {error.strerror or error}", file=sys.stderr)
         return 2
     try:
         secret = read_secret(args.secret_file) if args.secret_file else None
@@ -140,6 +153,20 @@ def _grade(args) -> int:
     if args.feedback:
         write_feedback(report, args.feedback)
     return 0 if report["ok"] else 1
+
+
+def _unmatched_pattern_hint(missing: list[str]) -> str:
+    """What to pass instead when a shell pattern reached the grader unexpanded: it matched no file, typically
+    ``submissions/*.ipynb`` in a class whose notebooks sit in one folder per student (``distlab release``'s
+    layout), which the folder itself grades."""
+    patterns = [m for m in missing if any(c in m for c in "*?[")]
+    if not patterns:
+        return ""
+    folder = Path(patterns[0]).parent
+    while any(c in str(folder) for c in "*?[") and folder != folder.parent:
+        folder = folder.parent
+    return (f" (the pattern matched no file; for one folder per student, as `distlab release` writes them, "
+            f"pass the folder: distlab grade {folder}/)")
 
 
 def _release(args) -> int:

@@ -34,7 +34,7 @@ import os
 import statistics
 import time
 import warnings
-from typing import Callable, Sequence
+from typing import Callable, NamedTuple, Sequence
 
 import numpy as np
 import torch
@@ -47,7 +47,8 @@ __all__ = [
     "hello_world", "chunk_sizes", "split_chunks", "ring_all_reduce", "ring_all_gather", "tree_all_reduce",
     "all_reduce_via_reduce_scatter", "builtin_all_reduce", "ring_all_reduce_bytes", "ring_all_gather_bytes",
     "tree_steps", "tree_all_reduce_bytes", "all_reduce_cost", "ring_all_reduce_time", "tree_all_reduce_time",
-    "double_binary_tree_all_reduce_time",
+    "double_binary_tree_all_reduce_time", "in_network_all_reduce_bytes", "in_network_all_reduce_time",
+    "GlooWire", "gloo_all_reduce_wire",
     "fit_alpha_beta", "crossover_bytes", "measured_crossover", "bus_bandwidth", "time_all_reduce",
     "bandwidth_sweep", "format_sweep", "human_bytes", "human_rate", "median_time", "first_mismatch", "KiB", "MiB",
     "SEGMENT_BYTES", "ring_peers",
@@ -417,6 +418,67 @@ def double_binary_tree_all_reduce_time(message_bytes, world_size: int, alpha: fl
     if world_size < 2:
         return 0.0 * message_bytes
     return 2 * math.ceil(math.log2(world_size)) * alpha + 2 * message_bytes / beta
+
+
+def in_network_all_reduce_bytes(message_bytes: float, world_size: int) -> float:
+    """Bytes one GPU sends in an all-reduce that the switch reduces (NVLink SHARP, NCCL's NVLS algorithm): its
+    whole input once, to be reduced in the switch, and its 1/N of the result once, to be multicast — (N+1)/N·M,
+    about M whatever N, against the ring's 2(N-1)/N·M. NCCL's maintainers give the two halves: reduce-scatter
+    sends S and receives S/N, all-gather sends S/N and receives S (NVIDIA/nccl issue #1083)."""
+    return (world_size + 1) * message_bytes / world_size
+
+
+def in_network_all_reduce_time(message_bytes, world_size: int, alpha: float, beta: float):
+    """The α–β model of an in-switch all-reduce: two steps (reduce in the switch, multicast the result) and
+    :func:`in_network_all_reduce_bytes` on each GPU's link: t ≈ 2·α + (N+1)/N·M/β."""
+    if world_size < 2:
+        return 0.0 * message_bytes
+    return 2 * alpha + in_network_all_reduce_bytes(message_bytes, world_size) / beta
+
+
+# gloo's all-reduce, as PyTorch's ProcessGroupGloo calls it (gloo::allreduce, algorithm "ring", in
+# gloo/allreduce.cc): the message is cut into S segments, at least 2N, at most 1 MiB each (kMaxSegmentSize) and a
+# multiple of N; each rank owns S/N of them, and each phase (reduce-scatter, all-gather) forwards the S - S/N it
+# does not own, skipping empty ones. Its TCP transport (gloo/transport/tcp/pair.cc) puts a 48-byte preamble
+# (struct Op: six size_t) before every data message, and every transfer is announced both ways: Pair::send sends
+# a NOTIFY_SEND_READY, Pair::recv a NOTIFY_RECV_READY, each a preamble alone.
+GLOO_PREAMBLE_BYTES = 48
+GLOO_MAX_SEGMENT_BYTES = MiB
+
+
+class GlooWire(NamedTuple):
+    """What one rank's TCP sockets carry for one gloo all-reduce (see :func:`gloo_all_reduce_wire`)."""
+
+    total: int  # bytes sent: the tensor's segments and the protocol's preambles
+    tensor: int  # of which the tensor's own bytes
+    sends: int  # data messages sent (each: a send-ready notice and the data's preamble)
+    receives: int  # data messages received (each: a recv-ready notice sent back)
+
+    @property
+    def protocol(self) -> int:
+        return self.total - self.tensor
+
+
+def gloo_all_reduce_wire(message_bytes: int, world_size: int, rank: int, element_size: int = 4) -> GlooWire:
+    """The bytes rank ``rank`` sends in gloo's ring all-reduce of ``message_bytes``, counted the way gloo's
+    ring (``gloo/allreduce.cc``) cuts and sends the message and its TCP transport frames it (the comment above):
+    what :mod:`distlab.runtime.wire` measures, for the notebooks to explain it."""
+    n = world_size
+    if n < 2:
+        return GlooWire(0, 0, 0, 0)
+    segments = -(-max(-(-message_bytes // GLOO_MAX_SEGMENT_BYTES), 2 * n) // n) * n
+    owned = segments // n
+    segment_bytes = -(-(-(-message_bytes // segments)) // element_size) * element_size
+
+    def lengths(first: int) -> list[int]:  # the non-empty segments of one phase, starting at segment `first`
+        spans = (min(segment_bytes, message_bytes - ((first + i) % segments) * segment_bytes)
+                 for i in range(segments - owned))
+        return [length for length in spans if length > 0]
+
+    sent = lengths((rank + 1) * owned) + lengths(rank * owned)  # reduce-scatter, then all-gather
+    received = lengths((rank + 2) * owned) + lengths((rank + 1) * owned)
+    total = sum(sent) + GLOO_PREAMBLE_BYTES * (2 * len(sent) + len(received))
+    return GlooWire(total, sum(sent), len(sent), len(received))
 
 
 def fit_alpha_beta(message_bytes: Sequence[float], seconds: Sequence[float], world_size: int,

@@ -33,15 +33,16 @@ from __future__ import annotations
 
 import statistics
 import time
+import warnings
 from contextlib import contextmanager, nullcontext
 from typing import Callable, Iterable, Sequence
 
 import torch
 import torch.distributed as dist
 import torch.nn as nn
-import torch.nn.functional as F
 from torch.nn.parallel import DistributedDataParallel
 
+from distlab import workload
 from distlab.flops import step_report
 from distlab.model import GPT, GPTConfig, synthetic_batch
 from distlab.reference import make_optimizer
@@ -50,12 +51,24 @@ from distlab.runtime.rank import device
 from distlab.runtime.timeline import span
 
 __all__ = [
-    "DEFAULT_BUCKET_CAP_BYTES", "broadcast_parameters", "allreduce_gradients", "gradient_params", "gradient_bytes",
+    "DEFAULT_BUCKET_CAP_BYTES", "broadcast_parameters", "allreduce_gradients",
     "assign_buckets", "pytorch_buckets", "gradient_arrival_order", "torch_ddp_buckets",
     "allreduce_buckets", "Bucket", "NaiveDDP", "BucketedDDP", "OverlappedDDP", "TorchDDP",
-    "VARIANTS", "make_ddp", "EdgeCaseGPT", "build_model", "local_batches", "global_batch", "train_step",
-    "train_worker", "exposed_sync_times", "reference_run", "train",
+    "VARIANTS", "make_ddp", "train_step", "train_worker", "exposed_sync_times", "train",
 ]
+
+# The models, batches and single-process run every data-parallel topic trains moved to distlab.workload, below
+# the topics. Imports of them from here keep working for a term, with a DeprecationWarning naming the new path.
+MOVED_TO_WORKLOAD = ("gradient_params", "gradient_bytes", "EdgeCaseGPT", "build_model", "global_batch",
+                     "local_batches", "reference_run")
+
+
+def __getattr__(name: str):
+    if name in MOVED_TO_WORKLOAD:
+        warnings.warn(f"distlab.data_parallel.{name} moved to distlab.workload.{name}: import it from there (the old "
+                      "path goes after this term)", DeprecationWarning, stacklevel=2)
+        return getattr(workload, name)
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 DEFAULT_BUCKET_CAP_BYTES = 25 * 2**20  # PyTorch DDP's default bucket_cap_mb=25
 
@@ -67,16 +80,6 @@ def _require_process_group() -> None:
         raise RuntimeError(
             "torch.distributed is not initialised: run this inside distlab.launch(fn, world_size) / "
             "distlab.Ranks(n).run(fn), or under torchrun (python -m distlab.torchrun module:function)")
-
-
-def gradient_params(module: nn.Module) -> list[nn.Parameter]:
-    """Parameters that receive gradients, in registration order, a tied weight once."""
-    return [p for p in module.parameters() if p.requires_grad]  # parameters() already de-duplicates
-
-
-def gradient_bytes(module: nn.Module) -> int:
-    """Bytes of all gradients one step produces: what DDP must all-reduce, each exactly once."""
-    return sum(p.numel() * p.element_size() for p in gradient_params(module))
 
 
 @torch.no_grad()
@@ -98,7 +101,7 @@ def allreduce_gradients(module: nn.Module) -> None:
     """
     _require_process_group()
     world = dist.get_world_size()
-    for p in gradient_params(module):
+    for p in workload.gradient_params(module):
         if p.grad is None:
             p.grad = torch.zeros_like(p)
         dist.all_reduce(p.grad)
@@ -294,7 +297,7 @@ class _DataParallel(nn.Module):
         _require_process_group()
         self.module = module
         self.world_size = dist.get_world_size()
-        self.grad_params = gradient_params(module)
+        self.grad_params = workload.gradient_params(module)
         self.require_backward_grad_sync = True
         self.find_unused_parameters = find_unused_parameters
         if broadcast:
@@ -466,7 +469,7 @@ class TorchDDP:
         _require_process_group()
         self.module = module
         self.ddp = DistributedDataParallel(module, bucket_cap_mb=bucket_cap_bytes / 2**20, **ddp_options)
-        self.grad_params = gradient_params(module)
+        self.grad_params = workload.gradient_params(module)
 
     def __call__(self, *args, **kwargs):
         return self.ddp(*args, **kwargs)
@@ -492,67 +495,6 @@ def make_ddp(variant: str, module: nn.Module, bucket_cap_bytes: int = DEFAULT_BU
     return VARIANTS[variant](module, bucket_cap_bytes, find_unused_parameters=find_unused_parameters)
 
 
-# ---------------------------------------------------------------- models and data
-
-class EdgeCaseGPT(nn.Module):
-    """The lab's GPT with every parameter situation DDP must handle.
-
-    * ``gpt.tok_emb.weight`` is tied to the output projection (when ``cfg.tied_embeddings``);
-    * ``gpt.pos_emb.weight`` is frozen (``requires_grad=False``): broadcast, never reduced;
-    * ``unused`` never gets a gradient;
-    * ``rare_bias`` is added to the logits of rows whose first token is below vocab/4 only,
-      so on a rank whose rows have none it gets no gradient while other ranks' does.
-    """
-
-    def __init__(self, cfg: GPTConfig, seed: int = 0):
-        super().__init__()
-        self.gpt = GPT(cfg, seed=seed)
-        self.gpt.pos_emb.weight.requires_grad_(False)
-        generator = torch.Generator().manual_seed(seed + 12345)
-        self.unused = nn.Parameter(torch.randn(cfg.d_model, generator=generator))
-        self.rare_bias = nn.Parameter(0.1 * torch.randn(cfg.vocab_size, generator=generator))
-
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor | None = None):
-        logits = self.gpt(idx)
-        rare = idx[:, 0] < self.gpt.cfg.vocab_size // 4
-        if bool(rare.any()):
-            logits = logits + rare[:, None, None].to(logits.dtype) * self.rare_bias
-        if targets is None:
-            return logits
-        return logits, F.cross_entropy(logits.reshape(-1, logits.size(-1)), targets.reshape(-1))
-
-
-def build_model(kind: str, cfg: GPTConfig, seed: int = 0) -> nn.Module:
-    """``"gpt"``: :class:`~distlab.model.GPT`; ``"edge"``: :class:`EdgeCaseGPT`."""
-    if kind == "gpt":
-        return GPT(cfg, seed=seed)
-    if kind == "edge":
-        return EdgeCaseGPT(cfg, seed=seed)
-    raise ValueError(f"model must be 'gpt' or 'edge', got {kind!r}")
-
-
-def global_batch(cfg: GPTConfig, batch_size: int, step: int, data_seed: int = 0):
-    """The whole step's ``(x, y)``: what the single-process reference trains on."""
-    return synthetic_batch(cfg, batch_size, step, seed=data_seed)
-
-
-def local_batches(cfg: GPTConfig, batch_size: int, step: int, rank: int, world_size: int, accum: int = 1,
-                  data_seed: int = 0) -> list[tuple[torch.Tensor, torch.Tensor]]:
-    """Rank ``rank``'s share of the global batch, split into ``accum`` micro-batches.
-
-    Rank r gets rows ``r·B/N … (r+1)·B/N``; each micro-batch has ``B/(N·accum)`` rows.
-    """
-    if batch_size % (world_size * accum):
-        raise ValueError(f"global batch {batch_size} is not divisible by world_size·accum = "
-                         f"{world_size}·{accum}: the local batches must be equal-sized for the averaged "
-                         f"gradient to equal the full-batch gradient")
-    x, y = global_batch(cfg, batch_size, step, data_seed)
-    local = batch_size // world_size
-    x, y = x[rank * local:(rank + 1) * local], y[rank * local:(rank + 1) * local]
-    micro = local // accum
-    return [(x[a * micro:(a + 1) * micro], y[a * micro:(a + 1) * micro]) for a in range(accum)]
-
-
 # ---------------------------------------------------------------- training
 
 def train_step(ddp, optimizer: torch.optim.Optimizer, micro_batches: Sequence[tuple[torch.Tensor, torch.Tensor]],
@@ -574,10 +516,6 @@ def train_step(ddp, optimizer: torch.optim.Optimizer, micro_batches: Sequence[tu
         optimizer.step()
         optimizer.zero_grad(set_to_none=set_to_none)
     return total / accum
-
-
-def _state(module: nn.Module) -> dict[str, torch.Tensor]:
-    return {name: t.detach().to("cpu", copy=True) for name, t in module.state_dict().items()}
 
 
 def _device() -> torch.device:
@@ -608,7 +546,7 @@ def train_worker(variant: str = "overlapped", cfg: GPTConfig | None = None, step
     cfg = cfg or GPTConfig()
     rank, world = dist.get_rank(), dist.get_world_size()
     dev = _device()  # this rank's GPU under NCCL, else the CPU
-    module = build_model(model, cfg, seed=seed if rank == 0 else seed + 1000 * rank + 1).to(dev)
+    module = workload.build_model(model, cfg, seed=seed if rank == 0 else seed + 1000 * rank + 1).to(dev)
     if ddp_factory is not None:
         ddp = ddp_factory(module, bucket_cap_bytes)
     else:
@@ -619,7 +557,8 @@ def train_worker(variant: str = "overlapped", cfg: GPTConfig | None = None, step
     step_fn = step_fn or (lambda d, o, mb: train_step(d, o, mb, set_to_none=set_to_none))
     losses, times = [], []
     for step in range(warmup + steps):
-        micro = [(x.to(dev), y.to(dev)) for x, y in local_batches(cfg, batch_size, step, rank, world, accum, data_seed)]
+        micro = [(x.to(dev), y.to(dev))
+                 for x, y in workload.local_batches(cfg, batch_size, step, rank, world, accum, data_seed)]
         dist.barrier()
         start = time.perf_counter()
         losses.append(float(step_fn(ddp, opt, micro)))
@@ -632,8 +571,8 @@ def train_worker(variant: str = "overlapped", cfg: GPTConfig | None = None, step
     buckets = getattr(ddp, "buckets", None)
     return {
         "rank": rank, "variant": variant if ddp_factory is None else "custom", "losses": losses,
-        "step_times": times, "state": _state(module) if return_state else None,
-        "grad_bytes": gradient_bytes(module), "n_buckets": len(buckets) if buckets is not None else None,
+        "step_times": times, "state": workload.cpu_state(module) if return_state else None,
+        "grad_bytes": workload.gradient_bytes(module), "n_buckets": len(buckets) if buckets is not None else None,
     }
 
 
@@ -659,29 +598,6 @@ def exposed_sync_times(run, skip: int = 0) -> list[float]:
         per_rank[rank] = gaps[skip:]
     steps = min((len(g) for g in per_rank.values()), default=0)
     return [max(per_rank[r][i] for r in per_rank) for i in range(steps)]
-
-
-def reference_run(cfg: GPTConfig | None = None, steps: int = 3, batch_size: int = 8, seed: int = 0,
-                  data_seed: int = 0, optimizer: str = "sgd", lr: float = 0.1, model: str = "gpt",
-                  keep_states: bool = False) -> dict:
-    """The single-process run every variant must reproduce: the same model (rank 0's seed),
-    the same optimizer, one step per *global* batch. ``states`` holds the weights after
-    each step when ``keep_states``; ``initial`` the weights before training."""
-    cfg = cfg or GPTConfig()
-    module = build_model(model, cfg, seed=seed)
-    opt = make_optimizer(module.parameters(), optimizer, lr=lr)
-    out = {"initial": _state(module), "losses": [], "states": []}
-    for step in range(steps):
-        x, y = global_batch(cfg, batch_size, step, data_seed)
-        _, loss = module(x, y)
-        opt.zero_grad(set_to_none=True)
-        loss.backward()
-        opt.step()
-        out["losses"].append(loss.item())
-        if keep_states:
-            out["states"].append(_state(module))
-    out["state"] = _state(module)
-    return out
 
 
 def train(steps: int = 20, variant: str = "overlapped", batch_size: int = 8, accum: int = 1,

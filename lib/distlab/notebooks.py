@@ -44,6 +44,13 @@ _NBVAL_LINE = re.compile(r"^[ \t]*#[ \t]*NBVAL_[A-Z_]+\b[^\n]*(?:\n|\Z)", re.MUL
 COURSE_REPOSITORY = "github.com/distlab-course/distlab"
 COURSE_BRANCH = "main"
 
+# The kernel every notebook names: the one `make install` registers (`python -m ipykernel install --name python3`),
+# under the display name ipykernel gives it. JupyterLab rewrites a notebook's kernelspec to the running kernel's
+# when it opens the notebook, so one that stored another display name (nbformat's "Python 3") opened as modified.
+# `distlab notebooks execute` and `tag` store it in solutions, `distlab labs` in labs; `labs --check` reports drift.
+KERNELSPEC = {"display_name": "Python 3 (ipykernel)", "language": "python", "name": "python3"}
+
+
 class NotebookError(ValueError):
     """A solution notebook that cannot be turned into a lab (unbalanced markers…)."""
 
@@ -65,8 +72,22 @@ def strip_solutions(source: str, where: str = "") -> str:
     return stripped
 
 
+def set_kernelspec(notebook: nbformat.NotebookNode) -> bool:
+    """Store :data:`KERNELSPEC` as the notebook's kernelspec; return whether that changed it."""
+    if notebook.metadata.get("kernelspec") == KERNELSPEC:
+        return False
+    notebook.metadata["kernelspec"] = dict(KERNELSPEC)
+    return True
+
+
+def stale_kernelspecs(paths: list[Path]) -> list[Path]:
+    """The notebooks among ``paths`` whose kernelspec is not :data:`KERNELSPEC`."""
+    return [p for p in paths if nbformat.read(p, as_version=4).metadata.get("kernelspec") != KERNELSPEC]
+
+
 def make_lab(solution: nbformat.NotebookNode, where: str = "") -> nbformat.NotebookNode:
     lab = nbformat.from_dict(json.loads(json.dumps(solution)))
+    set_kernelspec(lab)
     for index, cell in enumerate(lab.cells):
         if cell.cell_type != "code":
             continue
@@ -151,6 +172,7 @@ def execute(path: Path, cell_timeout: int = 600, allow_errors: bool = False,
         client = notebook_client(notebook, path, kernel_manager_class(workdir), allow_errors,
                                  lambda cell: cell_timeout)
         client.execute(env=dict(os.environ, **(env or {})))
+    set_kernelspec(notebook)
     return notebook
 
 

@@ -16,9 +16,9 @@ from distlab.grading.classroom import (
     class_report,
     format_report,
     grade_notebooks,
-    student_names,
 )
 from distlab.grading.registry import find_exercise
+from distlab.grading.submissions import student_names
 
 REPO = Path(__file__).resolve().parents[2]
 pytestmark = [pytest.mark.usefixtures("no_leftover_ranks")]
@@ -133,3 +133,21 @@ def test_a_folder_of_submissions_names_students_and_bad_submission_times_say_wha
     times.write_text("student,submitted\nalice,2026-12-01T10:00\n")
     with pytest.raises(ValueError, match="has no submission time for carol, bob"):
         submission_times([p for p, _ in found], [s for _, s in found], str(times))
+
+
+def test_a_missing_times_file_or_a_pattern_that_matched_nothing_is_one_line_and_exit_2(tmp_path, capsys):
+    """Before any kernel starts: the error names the file and what to do, not a traceback."""
+    from distlab.cli import main
+
+    (tmp_path / "submissions" / "alice").mkdir(parents=True)
+    (tmp_path / "submissions" / "alice" / "00_setup.ipynb").write_text("{}")
+    missing = tmp_path / "submission_times.csv"
+    late = ["--deadline", "2026-12-01T23:59", "--times", str(missing)]
+    assert main(["grade", str(tmp_path / "submissions"), *late]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"distlab grade: --times {missing}: No such file or directory", err
+    pattern = str(tmp_path / "submissions" / "*.ipynb")  # what bash passes on when a pattern matches no file
+    assert main(["grade", pattern]) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith(f"distlab grade: no such notebook: {pattern}") and len(err.splitlines()) == 1, err
+    assert f"pass the folder: distlab grade {tmp_path / 'submissions'}/" in err

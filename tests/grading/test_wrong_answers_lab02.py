@@ -1,5 +1,6 @@
 """Lab 02: answers students plausibly write, each run through its checker: every one fails, naming the mistake;
-the library's reference for each exercise passes. The mistakes fail on the first case (world size 2)."""
+the library's reference for each exercise passes. The mistakes fail on the first case (world size 2), but for the
+naive exchange, which is a ring there and sends too much from world size 3 on."""
 
 import re
 import sys
@@ -39,13 +40,29 @@ def _ring_steps(x, phases):
     return x
 
 
-# ---------------------------------------------------------------- 2.1 ring all-reduce
-
-def ring_calls_builtin(x):
-    """Calls the built-in instead of building the ring."""
+def calls_the_builtin(x):
+    """dist.all_reduce instead of the algorithm the exercise asks for (2.1, 2.3, 2.4)."""
     dist.all_reduce(x)
     return x
 
+
+def naive_all_reduce(x):
+    """Right sums, but every rank sends its whole tensor to every other rank: (N-1) * M bytes, N-1 messages."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    requests = [dist.isend(x.clone(), peer) for peer in range(n) if peer != rank]
+    total = x.clone()
+    for peer in range(n):
+        if peer != rank:
+            incoming = torch.empty_like(x)
+            dist.recv(incoming, peer)
+            total += incoming
+    for request in requests:
+        request.wait()
+    x.copy_(total)
+    return x
+
+
+# ---------------------------------------------------------------- 2.1 ring all-reduce
 
 def ring_without_all_gather(x):
     """Stops after the reduce-scatter: each rank holds one summed chunk."""
@@ -108,11 +125,6 @@ def gather_returns_concatenation(x):
 
 # ---------------------------------------------------------------- 2.3 reduce-scatter + all-gather
 
-def rs_ag_calls_all_reduce(x):
-    dist.all_reduce(x)
-    return x
-
-
 def rs_ag_without_all_gather(x):
     """Reduce-scatters, then writes its own chunk back, never gathering the others."""
     n = dist.get_world_size()
@@ -124,28 +136,16 @@ def rs_ag_without_all_gather(x):
     return x
 
 
+def rs_ag_without_padding(x):
+    """Reduce-scatters a tensor whose size N does not divide: gloo refuses, on the ranks."""
+    n = dist.get_world_size()
+    mine = torch.empty(x.numel() // n, dtype=x.dtype)
+    dist.reduce_scatter_tensor(mine, x.reshape(-1))
+    dist.all_gather_into_tensor(x.view(-1), mine)
+    return x
+
+
 # ---------------------------------------------------------------- 2.4 recursive doubling
-
-def doubling_calls_builtin(x):
-    dist.all_reduce(x)
-    return x
-
-
-def doubling_as_everyone_to_everyone(x):
-    """Right sums, but N-1 messages per rank instead of ceil(log2 N)."""
-    rank, n = dist.get_rank(), dist.get_world_size()
-    requests = [dist.isend(x.clone(), peer) for peer in range(n) if peer != rank]
-    total = x.clone()
-    for peer in range(n):
-        if peer != rank:
-            incoming = torch.empty_like(x)
-            dist.recv(incoming, peer)
-            total += incoming
-    for request in requests:
-        request.wait()
-    x.copy_(total)
-    return x
-
 
 def doubling_with_a_ring(x):
     """A ring is no latency-optimal all-reduce: 2(N-1) messages."""
@@ -153,25 +153,30 @@ def doubling_with_a_ring(x):
 
 
 WRONG = [
-    ("2.1", ring_calls_builtin, r"your ring sent 0 bytes with send/isend \(it called dist.all_reduce\)"),
-    ("2.1", ring_without_all_gather, r"elements hold the sum and the rest do not: is a phase cut short\? "
-                                     r"After the reduce-scatter"),
+    ("2.1", calls_the_builtin, r"your ring sent 0 bytes with send/isend \(it called dist.all_reduce\); it must be "
+                               r"built from point-to-point ops"),
+    ("2.1", ring_without_all_gather, r"^rank \d \(world size 2, \d+ float32 elements\): the result differs from the "
+                                     r"reference by up to .*elements hold the sum and the rest do not: is a phase "
+                                     r"cut short\? After the reduce-scatter"),
     ("2.1", ring_returns_the_mean, r"that is the sum divided by 2, the mean: an all-reduce sums"),
     ("2.1", ring_out_of_place, r"the result is this rank's own input, nothing was added: reduce into the tensor"),
     ("2.1", ring_sends_whole_tensor, r"each step should send one chunk, not the whole tensor"),
+    ("2.1", naive_all_reduce, r"rank 0 sent \d+ bytes with send/isend, but a ring sends \d+ per rank \(world size 3"),
     ("2.2", gather_calls_builtin, r"sent 0 bytes with send/isend \(it called dist.all_gather\)"),
-    ("2.2", gather_filed_by_step, r"entry \d holds rank \d's tensor; entry i must be rank i's"),
+    ("2.2", gather_filed_by_step, r"^rank \d \(world size 2, \d+ float32 elements per rank\): entry \d differs "
+                                  r"from the reference .*entry \d holds rank \d's tensor; entry i must be rank i's"),
     ("2.2", gather_returns_concatenation, r"returned a Tensor; return a list of 2 tensors"),
-    ("2.3", rs_ag_calls_all_reduce, r"called dist.all_reduce; build the all-reduce from dist.reduce_scatter_tensor"),
+    ("2.3", calls_the_builtin, r"called dist.all_reduce; build the all-reduce from dist.reduce_scatter_tensor"),
     ("2.3", rs_ag_without_all_gather, r"the result is this rank's own input, nothing was added"),
-    ("2.4", doubling_calls_builtin, r"your recursive doubling sent 0 bytes with send/isend"),
-    ("2.4", doubling_as_everyone_to_everyone, r"sent 3 messages on 4 ranks, but a latency-optimal all-reduce"),
+    ("2.3", rs_ag_without_padding, r"raised RankFailed"),  # a failure of the check, not a crash of the grader
+    ("2.4", calls_the_builtin, r"your recursive doubling sent 0 bytes with send/isend"),
+    ("2.4", naive_all_reduce, r"sent 3 messages on 4 ranks, but a latency-optimal all-reduce"),
     ("2.4", doubling_with_a_ring, r"sent 2 messages on 2 ranks, but a latency-optimal all-reduce needs only "
                                   r"ceil\(log2 N\) = 1"),
 ]
 
 
-@pytest.mark.parametrize("exercise, wrong, message", WRONG, ids=[w[1].__name__ for w in WRONG])
+@pytest.mark.parametrize("exercise, wrong, message", WRONG, ids=[f"{w[0]}-{w[1].__name__}" for w in WRONG])
 def test_a_wrong_answer_fails_naming_the_mistake(exercise, wrong, message):
     result = distlab.check(exercise, wrong, quiet=True)
     assert result.status == "failed" and result.points == 0, result

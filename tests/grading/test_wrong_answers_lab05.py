@@ -14,7 +14,6 @@ import torch.distributed as dist
 import torch.nn.functional as F
 
 import distlab
-from distlab.grading import lab05
 from distlab.tensor_parallel import all_gather_sequence, reduce_scatter_along_sequence
 from wrong_answers import solution_namespace
 
@@ -32,13 +31,6 @@ ANSWERS = {"5.1": ("f", "g"), "5.2": ("ColumnParallelLinear", "RowParallelLinear
 
 def answer(exercise: str, namespace: dict) -> list:
     return [namespace[name] for name in ANSWERS[exercise]]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def warm_ranks():
-    """The checkers' own warm group, kept for the module and closed at its end."""
-    yield distlab.Ranks.shared(4, "gloo", lab05.COLLECTIVE_TIMEOUT)
-    distlab.shutdown()
 
 
 # ---------------------------------------------------------------- wrong answers, one small class each

@@ -12,7 +12,6 @@ import re
 import pytest
 
 import distlab
-from distlab.grading import lab11
 from wrong_answers import exercise_cells
 
 pytestmark = [pytest.mark.timeout(240), pytest.mark.usefixtures("one_thread")]
@@ -32,13 +31,6 @@ def answer(exercise: str, old: str = "", new: str = ""):
     namespace = {"__name__": "lab11_notebook"}
     exec("import torch\nimport torch.distributed as dist\n" + source, namespace)  # noqa: S102  the notebook's code
     return namespace[ANSWERS[exercise]]
-
-
-@pytest.fixture(scope="module")
-def warm_ranks():
-    """The checkers' own warm group of 8 (the same key as the notebook's), closed at the module's end."""
-    yield distlab.Ranks.shared(8, "auto", lab11.COLLECTIVE_TIMEOUT)
-    distlab.shutdown()
 
 
 # exercise, the solution's line, the student's line, what the failure must say
@@ -99,7 +91,7 @@ def test_a_wrong_answer_fails_and_names_the_mistake(exercise, old, new, named):
 
 
 @pytest.mark.parametrize("exercise,old,new,named", WRONG_SYNC, ids=["summed", "world size", "no all-reduce"])
-def test_a_wrong_gradient_sync_fails_and_names_the_mistake(warm_ranks, exercise, old, new, named):
+def test_a_wrong_gradient_sync_fails_and_names_the_mistake(exercise, old, new, named):
     result = distlab.check(exercise, answer(exercise, old, new), quiet=True)
     assert result.status == "failed", result
     assert re.search(named, result.detail), result.detail
@@ -110,5 +102,5 @@ def test_the_notebook_answer_passes(exercise):
     assert distlab.check(exercise, answer(exercise), quiet=True).status == "passed"
 
 
-def test_the_notebook_gradient_sync_passes(warm_ranks):
+def test_the_notebook_gradient_sync_passes():
     assert distlab.check("11.2", answer("11.2"), quiet=True).status == "passed"

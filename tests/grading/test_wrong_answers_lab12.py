@@ -33,16 +33,8 @@ from distlab.fault_tolerance import (
 )
 from distlab.grading import CheckFailed, find_exercise, lab12
 
-from processes import shared_ranks_end_here
-
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 pytestmark = [pytest.mark.timeout(300)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ranks_end_with_the_module():
-    """The checkers keep warm groups (``Ranks.shared``); they end with the module, and no rank may be left."""
-    yield from shared_ranks_end_here()
 
 
 # ---------------------------------------------------------------- 12.1: what the checkpoint holds, how the loop runs

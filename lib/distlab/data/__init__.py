@@ -15,8 +15,9 @@ from distlab.data.line_dedup import LineDedup, remove_repeated_lines
 from distlab.data.lineage import PurgeRules, purge
 from distlab.data.mix import ImportanceResampler, mix_sources
 from distlab.data.output import NotARunDirectory, RunDirectory
+from distlab.data.phases import PipelineConfig
 from distlab.data.pii import PiiScrubber, scrub_pii
-from distlab.data.pipeline import PipelineConfig, run_pipeline, shard_paths
+from distlab.data.pipeline import run_pipeline, shard_paths
 from distlab.data.quality import GopherQualityFilter, gopher_quality_failure, passes_quality
 from distlab.data.read import WarcReader, parse_wet
 from distlab.data.repetition import GopherRepetitionFilter, gopher_repetition_failure

@@ -18,8 +18,9 @@ Two phases, like datatrove's multi-step FineWeb recipe:
 Two engines run these phases with the same stage objects and give the same answer: the local one
 (:class:`LocalEngine`: a process pool for phase 1, phase 2 in this process) and Ray
 (:mod:`distlab.data.ray_engine`: tasks per file, phase 2 as hash-partitioned steps), chosen by
-``run_pipeline(engine=...)``. Both hand phase 2's outcome over as a :class:`Selection`, from which this module
-writes the generation.
+``run_pipeline(engine=...)``. What both run (phase 1 per file, the configuration, near dedup in crawl order) is
+:mod:`distlab.data.phases`, below both engines. Both hand phase 2's outcome over as a
+:class:`~distlab.data.phases.Selection`, from which this module writes the generation.
 
 After every run ``documents in == kept + sum(rejected by reason)`` is checked.
 Everything that can be checked before work starts (inputs, output directory,
@@ -28,139 +29,38 @@ configuration) is, with a one-line error.
 
 from __future__ import annotations
 
-import hashlib
-import json
 import multiprocessing
 import time
 from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from functools import partial
 from pathlib import Path
-from typing import Iterable, Iterator, Sequence
+from typing import Iterator, Sequence
 
-from tqdm.auto import tqdm
-
-from distlab.data.dedup import DEFAULT_BANDS, DEFAULT_NUM_PERM, DEFAULT_ROWS, DEFAULT_THRESHOLD, Deduper, NearDedup
-from distlab.data.document import Document, Ledger, Stage, StageStats, run_stages
-from distlab.data.language import DEFAULT_LANGUAGES, DEFAULT_MAX_CHARS, LanguageFilter
-from distlab.data.language import DEFAULT_THRESHOLD as LANG_THRESHOLD
-from distlab.data.line_dedup import DEFAULT_MIN_DOCUMENTS, LineDedup
+from distlab.data.dedup import NearDedup
+from distlab.data.document import Ledger, StageStats, run_stages
+from distlab.data.line_dedup import LineDedup
 from distlab.data.lineage import PurgeFilter, PurgeRules, read_jsonl, write_jsonl
 from distlab.data.output import LINEAGE_FILE, REJECTED_FILE, SHARD_DIR, WORK_DIR, RunDirectory
-from distlab.data.pii import PiiScrubber
-from distlab.data.quality import GOPHER, GopherQualityFilter, GopherQualityRules
-from distlab.data.read import DEFAULT_MAX_DOC_BYTES, WarcReader
-from distlab.data.repetition import GOPHER_REPETITION, GopherRepetitionFilter, GopherRepetitionRules
+from distlab.data.phases import (
+    PipelineConfig,
+    Selection,
+    documents_bar,
+    file_key,
+    files_bar,
+    finished_summary,
+    near_dedup,
+    process_file,
+    stored_count,
+    stored_documents,
+)
 from distlab.data.report import RunReport
-from distlab.data.shards import DEFAULT_SHARD_TOKENS, ShardWriter, atomic_write_json, encode_documents
-from distlab.data.toxicity import DEFAULT_BLOCKLIST, SCORERS, ToxicityFilter, make_scorer
-from distlab.data.toxicity import DEFAULT_THRESHOLD as TOXICITY_THRESHOLD
+from distlab.data.shards import ShardWriter, encode_documents
 from distlab.data.urls import RecordIdDedup, UrlDedup
 
-# Knobs that only phase 2 uses: changing them must not redo phase 1.
-_PHASE_TWO_FIELDS = ("dedup_threshold", "bands", "rows", "line_min_documents", "shard_tokens")
-
-
-@dataclass
-class PipelineConfig:
-    """Every knob of a run. Its phase-1 fingerprint invalidates done-markers when it changes."""
-
-    languages: tuple = DEFAULT_LANGUAGES
-    language_threshold: float = LANG_THRESHOLD
-    language_max_chars: int = DEFAULT_MAX_CHARS
-    max_doc_bytes: int = DEFAULT_MAX_DOC_BYTES
-    quality: GopherQualityRules = GOPHER
-    repetition: GopherRepetitionRules = GOPHER_REPETITION
-    toxicity: str = "page"  # page-level classifier share + adult terms; "classifier" (worst line) or "blocklist"
-    blocklist: tuple = DEFAULT_BLOCKLIST
-    toxicity_threshold: float = TOXICITY_THRESHOLD
-    dedup_threshold: float = DEFAULT_THRESHOLD
-    num_perm: int = DEFAULT_NUM_PERM
-    bands: int = DEFAULT_BANDS
-    rows: int = DEFAULT_ROWS
-    line_min_documents: int = DEFAULT_MIN_DOCUMENTS
-    shard_tokens: int = DEFAULT_SHARD_TOKENS
-
-    def validate(self) -> "PipelineConfig":
-        """Raise a one-line ValueError for settings that cannot work, before any work starts."""
-        if self.bands < 1 or self.rows < 1 or self.bands * self.rows != self.num_perm:
-            raise ValueError(f"LSH bands x rows must equal the {self.num_perm} MinHash permutations, "
-                             f"got {self.bands} x {self.rows} = {self.bands * self.rows} (e.g. 16 x 8, 32 x 4)")
-        if self.toxicity not in SCORERS:
-            raise ValueError(f"unknown toxicity scorer {self.toxicity!r}: choose one of {', '.join(SCORERS)}")
-        for name in ("language_threshold", "dedup_threshold", "toxicity_threshold"):
-            if not 0.0 <= getattr(self, name) <= 1.0:
-                raise ValueError(f"{name} must lie in [0, 1], got {getattr(self, name)}")
-        if self.line_min_documents < 2:
-            raise ValueError(f"line_min_documents must be at least 2, got {self.line_min_documents}")
-        if self.shard_tokens < 1:
-            raise ValueError(f"shard_tokens must be positive, got {self.shard_tokens}")
-        if not self.languages:
-            raise ValueError("give at least one language to keep")
-        return self
-
-    def fingerprint(self) -> str:
-        """Hash of the settings phase 1 depends on."""
-        settings = {k: v for k, v in asdict(self).items() if k not in _PHASE_TWO_FIELDS}
-        return hashlib.sha1(json.dumps(settings, sort_keys=True, default=str).encode()).hexdigest()[:16]
-
-    def document_stages(self) -> list[Stage]:
-        """Stages that look at one document at a time (run in parallel, per file)."""
-        return [LanguageFilter(self.languages, self.language_threshold, self.language_max_chars),
-                GopherQualityFilter(self.quality), GopherRepetitionFilter(self.repetition),
-                ToxicityFilter(make_scorer(self.toxicity, self.blocklist, self.toxicity_threshold),
-                               self.toxicity_threshold), PiiScrubber()]
-
-    def deduper(self) -> Deduper:
-        return Deduper(self.dedup_threshold, self.num_perm, self.bands, self.rows)
-
-
+TOKENIZE_BATCH = 1024  # documents per tiktoken call: the tokenize bar moves, and tiktoken's threads stay busy
 STAGE_ORDER = ("read", "language", "quality", "repetition", "toxicity", "pii",
                "record_id", "url_dedup", "near_dedup", "line_dedup", "purge", "tokenize")
-
-
-def _file_key(path: Path) -> str:
-    return f"{path.name}-{hashlib.sha1(str(path.resolve()).encode()).hexdigest()[:10]}"
-
-
-def _input_identity(path: Path) -> dict:
-    info = path.stat()
-    return {"path": str(path.resolve()), "size": info.st_size, "mtime_ns": info.st_mtime_ns}
-
-
-def process_file(path: str, work_root: str, config: PipelineConfig) -> dict:
-    """Phase 1 for one input file; returns (and stores in done.json) its summary."""
-    path, work = Path(path), Path(work_root) / _file_key(Path(path))
-    work.mkdir(parents=True, exist_ok=True)
-    ledger, reader, stages = Ledger(), WarcReader(config.max_doc_bytes), config.document_stages()
-    survivors = list(run_stages(reader(str(path), ledger), stages, ledger))
-
-    signature_stats = StageStats("near_dedup")
-    start = time.perf_counter()
-    deduper = config.deduper()
-    rows = [{"id": doc.id, "url": doc.url, "date": doc.date, "source": doc.source, "text": doc.text,
-             "meta": {**doc.meta, "minhash": deduper.signature(doc.text).hashvalues.tolist()}} for doc in survivors]
-    signature_stats.seconds = time.perf_counter() - start
-
-    ledger.check_balance(len(survivors))
-    write_jsonl(work / "kept.jsonl", rows)
-    write_jsonl(work / REJECTED_FILE, ledger.rows)
-    summary = {"input": _input_identity(path), "config": config.fingerprint(),
-               "documents_in": ledger.documents_in, "kept": len(survivors), "rejected": dict(ledger.rejected),
-               "warnings": reader.warnings,
-               "stages": [s.stats.to_json() for s in [reader, *stages]] + [signature_stats.to_json()]}
-    atomic_write_json(work / "done.json", summary)  # the marker: written last
-    return summary
-
-
-def _finished_summary(path: Path, work_root: Path, config: PipelineConfig) -> dict | None:
-    marker = work_root / _file_key(path) / "done.json"
-    if not marker.exists():
-        return None
-    summary = json.loads(marker.read_text())
-    if summary["input"] != _input_identity(path) or summary["config"] != config.fingerprint():
-        return None  # the input or the configuration changed: redo this file
-    return summary
 
 
 def check_inputs(inputs: Sequence) -> list[Path]:
@@ -184,11 +84,14 @@ ENGINES = ("local", "ray")
 
 
 def run_pipeline(inputs, out_dir, config: PipelineConfig | None = None, workers: int = 1,
-                 progress: bool = False, engine: str = "local", address: str | None = None) -> RunReport:
+                 progress: bool = True, engine: str = "local", address: str | None = None) -> RunReport:
     """Run both phases over WET/WARC ``inputs`` into ``out_dir``; returns the checked report.
 
     ``engine="ray"`` runs the same stages as Ray tasks (:mod:`distlab.data.ray_engine`) on the cluster at
-    ``address``, or on a Ray instance it starts on this machine with ``workers`` CPUs; the answer is the same."""
+    ``address``, or on a Ray instance it starts on this machine with ``workers`` CPUs; the answer is the same.
+    ``progress``: bars with rate and ETA where a person watches (:mod:`distlab.runtime.progress`; never under
+    nbval, pytest or CI): the input files of phase 1 and, on the local engine, each pass of phase 2 over the
+    documents; ``False`` draws none (a benchmark that times the run)."""
     config = (config or PipelineConfig()).validate()
     if workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
@@ -203,9 +106,9 @@ def run_pipeline(inputs, out_dir, config: PipelineConfig | None = None, workers:
             if missing.name != "ray":
                 raise
             raise ValueError('--engine ray needs Ray: pip install "distlab[ray]" (or pip install ray)') from None
-        runner = RayEngine(workers, address)
+        runner = RayEngine(workers, address, progress)
     else:
-        runner = LocalEngine(workers)
+        runner = LocalEngine(workers, progress)
     paths = check_inputs(inputs)
     run = RunDirectory(out_dir)
     run.check_writable()
@@ -214,10 +117,11 @@ def run_pipeline(inputs, out_dir, config: PipelineConfig | None = None, workers:
     work_root.mkdir(parents=True, exist_ok=True)
     run.clean()
 
-    summaries = {path: _finished_summary(path, work_root, config) for path in paths}
+    summaries = {path: finished_summary(path, work_root, config) for path in paths}
     pending = [path for path, summary in summaries.items() if summary is None]
     with runner:
-        for path, summary in zip(pending, runner.phase_one(pending, work_root, config, progress)):
+        # strict: the engine's generator runs to its end (its bar closes there), and must yield one summary per file
+        for path, summary in zip(pending, runner.phase_one(pending, work_root, config), strict=True):
             summaries[path] = summary
         rules = PurgeRules.from_json((run.manifest() or {}).get("purges"))
         selection = runner.phase_two(paths, work_root, config, rules)
@@ -230,42 +134,11 @@ def run_pipeline(inputs, out_dir, config: PipelineConfig | None = None, workers:
     return report
 
 
-@dataclass
-class Selection:
-    """What phase 2 decided, in the engine-independent form the output is written from.
-
-    ``documents``: (document, token span) for every survivor in input order (the document's text may be dropped:
-    lineage needs only its fields), perhaps a generator that fetches them as the writer goes; the other fields are
-    complete once it is consumed. ``rejected_rows``: phase 2's rejections in the order the local engine meets them
-    (record id and URL in input order, near dedup in crawl order, line dedup and purge in input order), the
-    canonical order of ``rejected.jsonl``; ``stages``: the stats of phase 2's stages.
-    """
-
-    documents: Iterable
-    rejected_rows: list
-    rejected: Counter
-    stages: list
-    tokenize_seconds: float
-
-
-def crawl_order(docs: Sequence[Document]) -> list[int]:
-    """Indices of ``docs`` earliest-crawled first, ties in input order: the order near dedup sees them in.
-
-    Near dedup keeps the first member of a cluster it sees, and a mirror copies a page after it is published."""
-    return sorted(range(len(docs)), key=lambda i: (not docs[i].date, docs[i].date, i))
-
-
-def near_dedup(docs: Sequence[Document], stage: NearDedup, ledger: Ledger) -> list[Document]:
-    """Run ``stage`` over ``docs`` (in input order) in crawl order; the survivors, back in input order."""
-    survivors = {id(doc) for doc in run_stages((docs[i] for i in crawl_order(docs)), [stage], ledger)}
-    return [doc for doc in docs if id(doc) in survivors]
-
-
 class LocalEngine:
-    """Phase 1 in a process pool over input files, phase 2 in this process."""
+    """Phase 1 in a process pool over input files, phase 2 in this process; ``progress``: draw their bars."""
 
-    def __init__(self, workers: int = 1) -> None:
-        self.workers = workers
+    def __init__(self, workers: int = 1, progress: bool = True) -> None:
+        self.workers, self.progress = workers, progress
 
     def __enter__(self) -> "LocalEngine":
         return self
@@ -273,53 +146,51 @@ class LocalEngine:
     def __exit__(self, *exc) -> None:
         return None
 
-    def phase_one(self, pending: list[Path], work_root: Path, config: PipelineConfig,
-                  progress: bool) -> Iterator[dict]:
+    def phase_one(self, pending: list[Path], work_root: Path, config: PipelineConfig) -> Iterator[dict]:
         """Summaries of ``pending`` in order; in a process pool when workers > 1."""
         job = partial(process_file, work_root=str(work_root), config=config)
-        bar = tqdm(total=len(pending), desc="input files", unit="file", disable=not progress)
-        if self.workers <= 1 or len(pending) <= 1:
-            for path in pending:
-                yield job(str(path))
-                bar.update()
-        else:
-            context = multiprocessing.get_context("spawn")  # no fork of a threaded parent (notebooks, tiktoken)
-            with context.Pool(min(self.workers, len(pending))) as pool:
-                for summary in pool.imap(job, [str(path) for path in pending]):
+        with files_bar(len(pending), self.progress) as bar:
+            if self.workers <= 1 or len(pending) <= 1:
+                for path in pending:
+                    summary = job(str(path))
                     bar.update()
                     yield summary
-        bar.close()
+            else:
+                context = multiprocessing.get_context("spawn")  # no fork of a threaded parent (notebooks, tiktoken)
+                with context.Pool(min(self.workers, len(pending))) as pool:
+                    for summary in pool.imap(job, [str(path) for path in pending]):
+                        bar.update()
+                        yield summary
 
     def phase_two(self, paths: list[Path], work_root: Path, config: PipelineConfig, rules: PurgeRules) -> Selection:
-        """The corpus-level stages over the stored phase-1 results, all in memory, in input order."""
+        """The corpus-level stages over the stored phase-1 results, all in memory, in input order.
+
+        A bar per pass over the documents: record-id and URL dedup (streamed through one pass), near dedup, the
+        count of line dedup, line dedup with the purge rules, tokenization."""
         ledger = Ledger()
         exact_dedup = [RecordIdDedup(), UrlDedup()]
-        exact = list(run_stages(stored_documents(paths, work_root), exact_dedup, ledger))
+        stored = documents_bar(stored_documents(paths, work_root), "record-id + URL dedup", self.progress,
+                               total=stored_count(paths, work_root))
+        exact = list(run_stages(stored, exact_dedup, ledger))
         near = NearDedup(config.deduper())
-        distinct = near_dedup(exact, near, ledger)
+        distinct = near_dedup(exact, near, ledger, shown=self.progress)
         line_dedup = LineDedup(config.line_min_documents, config.quality.min_words)
         start = time.perf_counter()
-        line_dedup.fit(distinct)
+        line_dedup.fit(documents_bar(distinct, "line dedup: count lines", self.progress))
         line_dedup.stats.seconds += time.perf_counter() - start
         purge_filter = PurgeFilter(rules)
-        kept = list(run_stages(distinct, [line_dedup, purge_filter], ledger))
+        kept = list(run_stages(documents_bar(distinct, "line dedup + purge", self.progress), [line_dedup, purge_filter],
+                               ledger))
         start = time.perf_counter()
-        spans = encode_documents([doc.text for doc in kept])
+        spans = []
+        with documents_bar(None, "tokenize", self.progress, total=len(kept)) as bar:
+            for first in range(0, len(kept), TOKENIZE_BATCH):
+                batch = kept[first:first + TOKENIZE_BATCH]
+                spans += encode_documents([doc.text for doc in batch])
+                bar.update(len(batch))
         return Selection(zip(kept, spans), ledger.rows, ledger.rejected,
                          [stage.stats for stage in [*exact_dedup, near, line_dedup, purge_filter]],
                          time.perf_counter() - start)
-
-
-def stored_documents(paths: list[Path], work_root: Path) -> Iterator[Document]:
-    """Phase-1 survivors with their text; the MinHash signature rides in ``meta``."""
-    for path in paths:
-        yield from file_documents(path, work_root)
-
-
-def file_documents(path: Path, work_root: Path) -> Iterator[Document]:
-    """The phase-1 survivors of one input file."""
-    for row in read_jsonl(work_root / _file_key(path) / "kept.jsonl"):
-        yield Document(row["id"], row["text"], row["url"], row["date"], row["source"], row["meta"])
 
 
 def _write_generation(paths: list[Path], work_root: Path, run: RunDirectory, config: PipelineConfig,
@@ -340,7 +211,7 @@ def _write_generation(paths: list[Path], work_root: Path, run: RunDirectory, con
     tokenize = StageStats("tokenize", docs_in=len(lineage), docs_out=len(lineage),
                           seconds=selection.tokenize_seconds + time.perf_counter() - start)
 
-    rejected_rows = [row for path in paths for row in read_jsonl(work_root / _file_key(path) / REJECTED_FILE)]
+    rejected_rows = [row for path in paths for row in read_jsonl(work_root / file_key(path) / REJECTED_FILE)]
     write_jsonl(staging / LINEAGE_FILE, lineage)
     write_jsonl(staging / REJECTED_FILE, rejected_rows + selection.rejected_rows)
 

@@ -1,63 +1,37 @@
-"""The grading contract: every exercise of every lab, checked the same way.
+"""The grading contract's entry: every exercise of every lab, checked the same way.
 
 A notebook calls ``distlab.check("2.1", my_ring_all_reduce)``. The checker for
-that id (listed in :mod:`distlab.grading.registry`) runs the student's code on
-hidden, randomised cases against a reference and either returns a short detail
-string (pass) or raises :class:`CheckFailed` saying what differs. The result is
-printed as one line and kept in this kernel's ledger, which ``distlab grade`` asks
-for in its own request after the notebook's last cell (:func:`ledger`): what a
-notebook prints or writes to a file is never read as a result.
+that id (found by :mod:`distlab.grading.registry` in its lab's module) runs the
+student's code on hidden, randomised cases against a reference and either returns
+a short detail string (pass) or raises :class:`CheckFailed` saying what differs.
+The result is printed as one line and kept in this kernel's ledger, which
+``distlab grade`` asks for in its own request after the notebook's last cell
+(:func:`ledger`): what a notebook prints or writes to a file is never read as a
+result. What a check raises and returns, and how a result reads, is the ground
+floor every part of grading stands on: :mod:`distlab.grading.contract`.
 """
 
 from __future__ import annotations
 
 import json
-import traceback
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 
+from distlab.grading.contract import (
+    STUB_MESSAGE,
+    CheckFailed,
+    CheckResult,
+    describe_error,
+    is_not_attempted,
+)
 from distlab.grading.integrity import reference_use
+from distlab.grading.quiz import answer_given
 from distlab.grading.registry import Exercise, find_exercise
-
-STUB_MESSAGE = "Exercise {id}: replace this line with your solution"
 
 # Each exercise's latest check in this kernel, by id. The grader reads it through its own request (``ledger``);
 # ``needs`` reads the status to tell a demo that fails because the student's exercise is wrong (a line, the
 # notebook runs on) from a bug (a traceback).
 _ledger: dict[str, CheckResult] = {}
-
-
-class CheckFailed(AssertionError):
-    """Raised by a checker when the student's answer is wrong; the message says how."""
-
-
-@dataclass
-class CheckResult:
-    id: str
-    title: str
-    status: str  # "passed" | "failed" | "not attempted"
-    points: int
-    max_points: int
-    detail: str
-    label: str = ""  # "Exercise 2.1" or "Question Q2.1"
-    given: float | None = None  # a varied quiz question's answer, which the grader marks itself (grading/quiz.py)
-
-    def _ipython_display_(self) -> None:
-        """``check`` already printed the line; a bare call at the end of a cell shows nothing more."""
-
-    def line(self) -> str:
-        mark = {"passed": "✓", "failed": "✗", "not attempted": "·"}[self.status]
-        head = f"{mark} {self.label or 'Exercise ' + self.id} {self.title}: {self.points}/{self.max_points} points"
-        if self.status == "not attempted":
-            return f"{head} (not attempted)"
-        return f"{head} ({self.detail})" if self.detail else head
-
-
-def is_not_attempted(error: BaseException) -> bool:
-    """True for the NotImplementedError an untouched stub raises, in this process or in a rank."""
-    if isinstance(error, NotImplementedError):
-        return True
-    return getattr(error, "exc_type", None) == "NotImplementedError"
 
 
 def check(exercise_id: str, *student_code, quiet: bool = False) -> CheckResult:
@@ -77,8 +51,6 @@ def check(exercise_id: str, *student_code, quiet: bool = False) -> CheckResult:
             status, points, detail = "not attempted", 0, ""
         else:
             status, points, detail = "failed", 0, f"raised {describe_error(error)}"
-    from distlab.grading.quiz import answer_given  # noqa: PLC0415  quiz imports this module
-
     result = CheckResult(exercise.id, exercise.asked, status, points, exercise.points, detail, exercise.label,
                          answer_given(exercise, student_code))
     _ledger[exercise.id] = result
@@ -119,30 +91,6 @@ def needs(*exercise_ids: str):
         why = (f"exercise {' and '.join(failed)} fails its check (its ✗ line says what differs)" if failed
                else f"this uses exercise {' and '.join(pending)}; its check says what differs")
         print(f"✗ this cell stopped: {describe_error(error)}\n  {why}; the rest of the notebook runs on")
-
-
-def describe_error(error: BaseException) -> str:
-    """One line for an error raised in or by the student's code: its type, first line and, when it was raised
-    in this process, the student's line (the innermost frame outside distlab and the libraries), so the
-    student sees where to look rather than a torch internal. A rank's error already names its rank and line."""
-    from distlab.grading.harness import first_line  # noqa: PLC0415  the harness imports this module
-
-    kind = type(error).__name__  # a rank's error (RankFailed) names the rank's exception in its first line
-    text = f"{kind}: {first_line(error)}" if first_line(error) else kind
-    where = student_frame(error)
-    return f"{text} (at {where})" if where else text
-
-
-def student_frame(error: BaseException) -> str:
-    """``"line 7: total += x"`` for the innermost traceback frame in a notebook cell or a user's file, or ""."""
-    frames = traceback.extract_tb(error.__traceback__) if error.__traceback__ else []
-    for frame in reversed(frames):
-        name = frame.filename.replace("\\", "/")
-        if "/distlab/" in name or "site-packages" in name or "/lib/python" in name or name.startswith("<frozen"):
-            continue
-        line = (frame.line or "").strip()
-        return f"line {frame.lineno}: {line}" if line else f"line {frame.lineno}"
-    return ""
 
 
 def ledger() -> str:

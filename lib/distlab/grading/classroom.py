@@ -30,14 +30,15 @@ from nbclient.exceptions import CellTimeoutError, DeadKernelError
 from nbclient.util import ensure_async
 
 from distlab.grading.cells import cells_to_skip
-from distlab.grading.harness import GRADE_SEED_VARIABLE, first_line
+from distlab.grading.contract import MARKS, first_line
+from distlab.grading.harness import GRADE_SEED_VARIABLE
 from distlab.grading.quiz import remark
-from distlab.grading.registry import all_exercises, exercises_of_lab, lab_modules, sort_key
-from distlab.grading.submissions import MARKS, content_hash
+from distlab.grading.registry import all_exercises, exercises_of_lab, lab_modules, lab_number, sort_key
+from distlab.grading.submissions import content_hash, student_names
 from distlab.runtime.kernels import KernelFactory, kernel_manager_class, notebook_client
 
-__all__ = ["DEFAULT_THRESHOLD", "DEFAULT_TIMEOUT", "NotebookGrade", "lab_number", "default_jobs", "student_names",
-           "grade_notebooks", "grade_notebook", "class_report", "format_report"]
+__all__ = ["DEFAULT_THRESHOLD", "DEFAULT_TIMEOUT", "NotebookGrade", "default_jobs", "grade_notebooks", "grade_notebook",
+           "class_report", "format_report"]
 
 DEFAULT_THRESHOLD = 1.0  # a notebook passes with every point: a lab is done when every check is ✓
 DEFAULT_TIMEOUT = 600.0  # seconds per notebook
@@ -83,25 +84,10 @@ class NotebookGrade:
         return lab_number(Path(self.path))
 
 
-def lab_number(path: Path) -> int | None:
-    match = re.match(r"(\d+)_", Path(path).name)
-    return int(match.group(1)) if match else None
-
-
 def default_jobs(notebooks: int) -> int:
     """Notebooks graded at once: one per two cores (a lab's ranks keep about two busy), at least one."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(notebooks, cores // 2))
-
-
-def student_names(paths: list[str]) -> list[str]:
-    """How the report names each notebook: its folder when every file has the same name
-    (``submissions/alice/02_collectives.ipynb`` → ``alice``), else its file name."""
-    paths = [Path(p) for p in paths]
-    if len({p.name for p in paths}) == 1 and len({p.parent.name for p in paths}) == len(paths) > 1:
-        return [p.parent.name for p in paths]
-    stems = [p.stem for p in paths]
-    return stems if len(set(stems)) == len(stems) else [str(p) for p in paths]
 
 
 async def _ask_ledger(kc, wait: float) -> list[dict] | None:

@@ -8,9 +8,10 @@ them lives here, so that every lab draws, runs and compares the same way and a f
 * :data:`JOB_TIMEOUT`, :data:`LONG_JOB_TIMEOUT`, :data:`ATOL`, :data:`WEIGHT_ATOL`: what a time limit
   and a tolerance are for;
 * :func:`run_on_ranks` and :func:`launch_failures_fail_the_check`: a job whose ranks deadlock, disagree
-  or never finish becomes a :class:`~distlab.grading.CheckFailed` that says so, not a traceback;
+  or never finish becomes a :class:`~distlab.grading.contract.CheckFailed` that says so, not a traceback;
+  :func:`rank_group` and :func:`run_job` for a checker that runs several jobs on a group of its own;
 * :func:`max_difference`, :func:`is_close` and :func:`assert_close`: a tensor against the reference,
-  the failure naming where and by how much;
+  the failure naming where and by how much (the one comparer every checker uses);
 * :func:`raise_if_untouched`: an untouched stub is "not attempted" before any rank starts.
 """
 
@@ -20,25 +21,29 @@ import ast
 import inspect
 import os
 import textwrap
+import types
 from contextlib import contextmanager
 
 import torch
 
-from distlab.data_parallel import build_model, gradient_bytes
-from distlab.grading import CheckFailed
+from distlab.grading.contract import CheckFailed, first_line
+from distlab.runtime import comm
 from distlab.runtime.launch import (
     DEFAULT_COLLECTIVE_TIMEOUT,
     CollectiveTimeout,
     LaunchTimeout,
     RankFailed,
+    Ranks,
     Run,
     UnmatchedCommunication,
     launch,
 )
+from distlab.workload import build_model, gradient_bytes
 
-__all__ = ["GRADE_SEED_VARIABLE", "JOB_TIMEOUT", "LONG_JOB_TIMEOUT", "ATOL", "WEIGHT_ATOL", "lab_seed", "rank_seed",
-           "case_gradient_bytes", "first_line", "raise_if_untouched", "launch_failures_fail_the_check", "run_on_ranks",
-           "max_difference", "is_close", "assert_close", "with_reference"]
+__all__ = ["GRADE_SEED_VARIABLE", "JOB_TIMEOUT", "LONG_JOB_TIMEOUT", "ATOL", "WEIGHT_ATOL", "WORLD_SIZES",
+           "RANK_GROUP_COLLECTIVE_TIMEOUT", "lab_seed", "rank_seed", "random_tensor", "case_gradient_bytes",
+           "raise_if_untouched", "launch_failures_fail_the_check", "run_on_ranks", "rank_group", "run_job", "ops_used",
+           "max_difference", "is_close", "rounding_tolerance", "assert_close", "with_reference"]
 
 # The environment variable through which ``distlab grade`` gives each kernel the seed of its hidden cases.
 GRADE_SEED_VARIABLE = "DISTLAB_GRADE_SEED"
@@ -53,6 +58,12 @@ ATOL = 1e-5
 # Weights after a few SGD steps on ranks against one process on the whole batch: only the order of the
 # gradient reduction differs, so a wrong scaling factor of even 1% is far above it.
 WEIGHT_ATOL = 1e-6
+# The world sizes a checker of collectives runs on: 2, where the next and the previous rank are the same one;
+# 3, odd; 4, a power of two.
+WORLD_SIZES = (2, 3, 4)
+# Seconds a collective of a :func:`rank_group` may wait: a deadlocked ring fails within seconds, a rank slowed by a
+# busy machine does not.
+RANK_GROUP_COLLECTIVE_TIMEOUT = 8.0
 
 
 # ---------------------------------------------------------------- where cases come from
@@ -79,6 +90,12 @@ def rank_seed(seed: int, rank: int) -> int:
     return seed if rank == 0 else seed + 1000 * rank + 1
 
 
+def random_tensor(shape, dtype, seed: int, rank: int) -> torch.Tensor:
+    """Rank ``rank``'s input of a case: normal values drawn in float64 from ``seed`` and the rank, then cast."""
+    gen = torch.Generator().manual_seed(seed * 1009 + rank)
+    return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
+
+
 def case_gradient_bytes(case) -> int:
     """The bytes of every gradient of ``case``'s model (``case.model``, ``case.cfg``, ``case.seed``):
     a tied weight once, frozen weights never. One all-reduce of each per step is what DDP moves, and
@@ -87,13 +104,6 @@ def case_gradient_bytes(case) -> int:
 
 
 # ---------------------------------------------------------------- running the student's code
-
-def first_line(error, limit: int = 300) -> str:
-    """The first line of an error (or of a message), at most ``limit`` characters: a launch error's first line
-    says what happened, the lines after it are tracebacks and per-rank details a result line has no room for."""
-    lines = str(error).strip().splitlines()
-    return lines[0][:limit] if lines else ""
-
 
 def raise_if_untouched(*student_code) -> None:
     """Raise the stub's ``NotImplementedError`` now when a function (or a method of a class) the student
@@ -168,6 +178,33 @@ def run_on_ranks(worker, world_size: int, *args, what: str, advice: str = "", kw
                       collective_timeout=collective_timeout, timeout=timeout)
 
 
+@contextmanager
+def rank_group(world_size: int, what: str):
+    """A gloo group of its own for one world size, for several jobs (:func:`run_job`); a hang becomes a
+    :class:`CheckFailed` that says so, and the group is closed when the block ends.
+
+    No lab-specific advice: the launcher says what it saw (everyone receiving, everyone sending, sends to
+    the wrong neighbour, a missing call) and what to check for that case; the hint is its, not a fixed guess.
+    """
+    ranks = Ranks(world_size, backend="gloo", collective_timeout=RANK_GROUP_COLLECTIVE_TIMEOUT)
+    try:
+        with launch_failures_fail_the_check(what, world_size):
+            yield ranks
+    finally:
+        ranks.close()
+
+
+def run_job(ranks: Ranks, fn, *args) -> Run:
+    """``fn(*args)`` on every rank of a :func:`rank_group`, quietly, within :data:`JOB_TIMEOUT`."""
+    return ranks.run(fn, args=args, timeout=JOB_TIMEOUT, show_output=False)
+
+
+def ops_used(log=None) -> dict[str, int]:
+    """Inside a rank: how many times each torch.distributed op was called so far in this job."""
+    log = log or comm.current_log()
+    return {op: stats.calls for op, stats in log.ops.items() if stats.calls}
+
+
 # ---------------------------------------------------------------- comparing with the reference
 
 def max_difference(got: torch.Tensor, expected: torch.Tensor) -> tuple[float, tuple[int, ...]]:
@@ -195,8 +232,19 @@ def is_close(got, expected: torch.Tensor, atol: float = ATOL, rtol: float = 0.0)
     return bool(torch.isclose(got.detach().double(), expected.detach().double(), rtol=rtol, atol=atol).all())
 
 
-def assert_close(where: str, what: str, got, expected: torch.Tensor, atol: float = ATOL, hint: str = "") -> None:
-    """Raise :class:`CheckFailed` unless ``got`` is a tensor of ``expected``'s shape within ``atol`` everywhere.
+def rounding_tolerance(expected: torch.Tensor, ulps: int = 64) -> float:
+    """What summing a few terms in another order (a ring's, a tree's) can change in ``expected``: ``ulps`` units
+    in the last place of its dtype, at its largest magnitude (at least 1). A float64 case is held to float64's
+    rounding, far tighter than :data:`ATOL`."""
+    eps = torch.finfo(expected.dtype).eps if expected.is_floating_point() else 0.0
+    largest = expected.detach().abs().max().item() if expected.numel() else 0.0
+    return ulps * eps * max(1.0, largest)
+
+
+def assert_close(where: str, what: str, got, expected: torch.Tensor, atol: float = ATOL, hint: str = "",
+                 same_dtype: bool = False) -> None:
+    """Raise :class:`CheckFailed` unless ``got`` is a tensor of ``expected``'s shape (and, with ``same_dtype``,
+    its dtype) within ``atol`` everywhere.
 
     The message starts with ``where`` (the case, the rank) and ``what`` (the tensor), then says how far
     off it is and shows the worst element beside its expected value, then ``hint``: the usual cause.
@@ -205,6 +253,8 @@ def assert_close(where: str, what: str, got, expected: torch.Tensor, atol: float
         raise CheckFailed(f"{where}: {what} should be a tensor, got {type(got).__name__}")
     if tuple(got.shape) != tuple(expected.shape):
         raise CheckFailed(f"{where}: {what} has shape {tuple(got.shape)}, expected {tuple(expected.shape)}")
+    if same_dtype and got.dtype != expected.dtype:
+        raise CheckFailed(f"{where}: {what} has dtype {got.dtype}, expected {expected.dtype}")
     diff, index = max_difference(got, expected)
     if diff > atol:
         raise CheckFailed(f"{where}: {what} differs from the reference by up to {diff:.3g}, more than {atol:g} "
@@ -224,8 +274,6 @@ def with_reference(student, **pieces):
     piece reached another way (an attribute, a closure) stays the student's. A class becomes a subclass whose
     methods are rebuilt on the new globals, so ``super()`` and ``isinstance`` keep working.
     """
-    import types  # noqa: PLC0415  only this helper rebuilds functions
-
     def names(code) -> set[str]:  # the globals a function and the functions nested in it look up
         return set(code.co_names).union(*(names(c) for c in code.co_consts if isinstance(c, types.CodeType)))
 

@@ -1,76 +1,31 @@
 """Lab 00 checkers: a first function on ranks, and a mean across ranks.
 
-Multi-rank checkers run the student's function on real gloo ranks, one warm
-group per world size (2, 3 and 4), and compare each rank's answer with
-``torch.distributed``'s own result. The helpers at the top are shared with
-:mod:`distlab.grading.lab02`; what every lab shares is in :mod:`distlab.grading.harness`.
+Multi-rank checkers run the student's function on real gloo ranks, one group per
+world size (2, 3 and 4, :func:`distlab.grading.harness.rank_group`), and compare
+each rank's answer with ``torch.distributed``'s own result.
 """
 
 from __future__ import annotations
 
 import random
-from contextlib import contextmanager
 
 import torch
 import torch.distributed as dist
 
-from distlab.collectives import first_mismatch
-from distlab.grading import CheckFailed, quiz
-from distlab.grading.harness import JOB_TIMEOUT, launch_failures_fail_the_check, raise_if_untouched
+from distlab.grading import quiz
+from distlab.grading.contract import CheckFailed
+from distlab.grading.harness import (
+    WORLD_SIZES,
+    assert_close,
+    is_close,
+    ops_used,
+    raise_if_untouched,
+    random_tensor,
+    rank_group,
+    rounding_tolerance,
+    run_job,
+)
 from distlab.grading.registry import Exercise
-from distlab.runtime import comm
-from distlab.runtime.launch import Ranks
-
-WORLD_SIZES = (2, 3, 4)
-COLLECTIVE_TIMEOUT = 8.0  # seconds: a deadlocked ring fails within seconds, a rank slowed by a busy machine does not
-
-
-# ---------------------------------------------------------------- shared helpers
-
-@contextmanager
-def rank_group(world_size: int, what: str):
-    """A gloo group of its own for one world size, for several jobs; a hang becomes a CheckFailed that says so.
-
-    No lab-specific advice: the launcher says what it saw (everyone receiving, everyone sending, sends to
-    the wrong neighbour, a missing call) and what to check for that case; the hint is its, not a fixed guess.
-    """
-    ranks = Ranks(world_size, backend="gloo", collective_timeout=COLLECTIVE_TIMEOUT)
-    try:
-        with launch_failures_fail_the_check(what, world_size):
-            yield ranks
-    finally:
-        ranks.close()
-
-
-def run_job(ranks: Ranks, fn, *args):
-    return ranks.run(fn, args=args, timeout=JOB_TIMEOUT, show_output=False)
-
-
-def ops_used(log=None) -> dict[str, int]:
-    """Inside a rank: how many times each torch.distributed op was called so far in this job."""
-    log = log or comm.current_log()
-    return {op: stats.calls for op, stats in log.ops.items() if stats.calls}
-
-
-def random_tensor(shape, dtype, seed: int, rank: int) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed * 1009 + rank)
-    return torch.randn(shape, generator=gen, dtype=torch.float64).to(dtype)
-
-
-def compare_tensor(rank: int, expected: torch.Tensor, got, what: str, hint=None) -> None:
-    """Raise CheckFailed naming the rank and the first element that differs."""
-    if not isinstance(got, torch.Tensor):
-        raise CheckFailed(f"rank {rank}: {what} should be a tensor, got {type(got).__name__}")
-    if tuple(got.shape) != tuple(expected.shape):
-        raise CheckFailed(f"rank {rank}: {what} has shape {tuple(got.shape)}, expected {tuple(expected.shape)}")
-    if got.dtype != expected.dtype:
-        raise CheckFailed(f"rank {rank}: {what} has dtype {got.dtype}, expected {expected.dtype}")
-    miss = first_mismatch(expected, got)
-    if miss is not None:
-        index, want, have = miss
-        extra = hint(index, want, have) if hint else ""
-        raise CheckFailed(f"rank {rank}, element {index}: expected {want:.6g}, got {have:.6g} "
-                          f"({what}){extra}")
 
 
 def _shape_text(shape) -> str:
@@ -151,14 +106,10 @@ def check_mean_across_ranks(student_fn) -> str:
                 for r, (got, expected) in enumerate(run):
                     if got is None:
                         raise CheckFailed(f"rank {r} returned None; return the averaged tensor")
-
-                    def hint(i, want, have, n=n):
-                        if abs(have - want * n) <= 1e-4 * max(1.0, abs(want * n)) and abs(want) > 1e-6:
-                            return f"; that is the sum over {n} ranks: divide by the world size"
-                        return ""
-
-                    what = f"world size {n}, {_shape_text(shape)} {_dtype_text(dtype)}"
-                    compare_tensor(r, expected, got, what, hint)
+                    summed = is_close(got, expected * n, atol=1e-4, rtol=1e-4) and bool(expected.abs().max() > 1e-6)
+                    assert_close(f"rank {r} (world size {n}, {_shape_text(shape)} {_dtype_text(dtype)})", "the mean",
+                                 got, expected, atol=rounding_tolerance(expected), same_dtype=True,
+                                 hint=f"that is the sum over {n} ranks: divide by the world size" if summed else "")
     return f"matches all_reduce / world_size on {cases} random tensors, 2-4 ranks"
 
 

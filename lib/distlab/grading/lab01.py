@@ -12,7 +12,8 @@ import math
 import numbers
 import random
 
-from distlab.grading import CheckFailed, quiz
+from distlab.grading import quiz
+from distlab.grading.contract import CheckFailed
 from distlab.grading.harness import lab_seed
 from distlab.grading.registry import Exercise
 from distlab.memory import PRESETS, GiB, Preset, activation_bytes_per_layer, bytes_per_param

@@ -25,9 +25,17 @@ from distlab.collectives import (
     ring_all_reduce_time,
     tree_steps,
 )
-from distlab.grading import CheckFailed, quiz
-from distlab.grading.harness import raise_if_untouched
-from distlab.grading.lab00 import WORLD_SIZES, compare_tensor, random_tensor, rank_group, run_job
+from distlab.grading import quiz
+from distlab.grading.contract import CheckFailed
+from distlab.grading.harness import (
+    WORLD_SIZES,
+    assert_close,
+    raise_if_untouched,
+    random_tensor,
+    rank_group,
+    rounding_tolerance,
+    run_job,
+)
 from distlab.grading.registry import Exercise
 from distlab.runtime import comm
 
@@ -101,13 +109,13 @@ def _all_reduce_mistake(mine: torch.Tensor, got: torch.Tensor, expected: torch.T
         return ""
     close = dict(rtol=1e-4, atol=1e-6)
     if torch.allclose(got, mine, **close):
-        return (": the result is this rank's own input, nothing was added: reduce into the tensor in place "
+        return ("the result is this rank's own input, nothing was added: reduce into the tensor in place "
                 "(or return the result)")
     if torch.allclose(got * n, expected, **close):
-        return f": that is the sum divided by {n}, the mean: an all-reduce sums (dividing is DDP's job, Lab 03)"
+        return f"that is the sum divided by {n}, the mean: an all-reduce sums (dividing is DDP's job, Lab 03)"
     matching = torch.isclose(got.reshape(-1), expected.reshape(-1), **close)
     if 0 < int(matching.sum()) < matching.numel():
-        return (f": {int(matching.sum())} of {matching.numel()} elements hold the sum and the rest do not: is a "
+        return (f"{int(matching.sum())} of {matching.numel()} elements hold the sum and the rest do not: is a "
                 "phase cut short? After the reduce-scatter (N-1 steps) the all-gather must pass every finished "
                 "chunk around the ring (N-1 more)")
     return ""
@@ -129,7 +137,8 @@ def _check_all_reduce(student_fn, p2p: bool, tree: bool = False) -> int:
                     what += ", fewer elements than ranks"
                 for r, (got, expected, ops, sent) in enumerate(run):
                     mistake = _all_reduce_mistake(random_tensor(shape, dtype, seed, r), got, expected, n)
-                    compare_tensor(r, expected, got, what, hint=lambda *_, words=mistake: words)
+                    assert_close(f"rank {r} ({what})", "the result", got, expected,
+                                 atol=rounding_tolerance(expected), hint=mistake, same_dtype=True)
                 total = 0.0
                 for r, (got, expected, ops, sent) in enumerate(run):
                     if tree:
@@ -170,7 +179,7 @@ def _misplaced_entry(src: int, got, expected: list[torch.Tensor]) -> str:
     """When entry ``src`` holds another rank's tensor, say whose: the pieces were filed by step, not by source."""
     for other, tensor in enumerate(expected):
         if other != src and isinstance(got, torch.Tensor) and got.shape == tensor.shape and torch.equal(got, tensor):
-            return (f": entry {src} holds rank {other}'s tensor; entry i must be rank i's, so file each received "
+            return (f"entry {src} holds rank {other}'s tensor; entry i must be rank i's, so file each received "
                     f"piece under the rank it started from, not under the step it arrived in")
     return ""
 
@@ -194,9 +203,9 @@ def check_ring_all_gather(student_fn) -> str:
                         raise CheckFailed(f"rank {r} returned {kind}; return a list of {n} tensors, "
                                           f"entry i being rank i's tensor ({what})")
                     for src in range(n):
-                        compare_tensor(r, expected[src], got[src], f"entry {src}, {what}",
-                                       hint=lambda *_, src=src, got=got, expected=expected:
-                                       _misplaced_entry(src, got[src], expected))
+                        assert_close(f"rank {r} ({what})", f"entry {src}", got[src], expected[src],
+                                     atol=rounding_tolerance(expected[src]), same_dtype=True,
+                                     hint=_misplaced_entry(src, got[src], expected))
                 for r, (got, expected, ops, sent) in enumerate(run):
                     _check_sent(r, n, sent, ring_all_gather_bytes(n * numel * element, n), 0, what, ops)
     return (f"matches dist.all_gather on {cases} random tensors, 2-4 ranks; "

@@ -27,8 +27,9 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 from distlab.collectives import ring_all_reduce_time
-from distlab.grading import CheckFailed, quiz
-from distlab.grading.harness import assert_close, first_line, is_close, lab_seed, run_on_ranks, with_reference
+from distlab.grading import quiz
+from distlab.grading.contract import CheckFailed, first_line
+from distlab.grading.harness import assert_close, is_close, lab_seed, run_on_ranks, with_reference
 from distlab.grading.registry import Exercise
 from distlab.memory import MiB
 from distlab.model import Block, GPTConfig

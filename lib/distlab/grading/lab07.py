@@ -36,8 +36,9 @@ from distlab.context_parallel import (
     unshard,
 )
 from distlab.flops import PEAK_FLOPS
-from distlab.grading import CheckFailed, quiz
-from distlab.grading.harness import ATOL, assert_close, first_line, lab_seed, max_difference, run_on_ranks
+from distlab.grading import quiz
+from distlab.grading.contract import CheckFailed, first_line
+from distlab.grading.harness import ATOL, assert_close, lab_seed, max_difference, run_on_ranks
 from distlab.grading.registry import Exercise
 from distlab.memory import PRESETS, GiB, activation_bytes_per_layer
 from distlab.runtime import comm

@@ -24,10 +24,10 @@ from dataclasses import dataclass, field
 import torch
 import torch.distributed as dist
 
-from distlab.grading import CheckFailed, quiz
+from distlab.grading import quiz
+from distlab.grading.contract import CheckFailed, first_line
 from distlab.grading.harness import (
     ATOL,
-    first_line,
     is_close,
     lab_seed,
     max_difference,

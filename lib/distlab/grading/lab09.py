@@ -39,8 +39,8 @@ from distlab.fp8.linear import Float8Linear
 from distlab.fp8.matmul import MULTIPLE, emulated_scaled_mm, scaled_mm_support
 from distlab.fp8.scaling import DelayedScaling, dequantize, expand_scale, quantize
 from distlab.fp8.training import final_loss, train_recipe
-from distlab.grading import CheckFailed
-from distlab.grading.harness import first_line, lab_seed
+from distlab.grading.contract import CheckFailed, first_line
+from distlab.grading.harness import lab_seed
 from distlab.grading.quiz import choice, number
 from distlab.grading.registry import Exercise
 from distlab.model import GPTConfig

@@ -16,7 +16,8 @@ import numpy as np
 
 from distlab.data.dedup import candidate_probability
 from distlab.data.shards import SHARD_DTYPE
-from distlab.grading import CheckFailed, quiz
+from distlab.grading import quiz
+from distlab.grading.contract import CheckFailed
 from distlab.grading.registry import Exercise
 
 

@@ -20,7 +20,8 @@ import math
 import random
 
 from distlab.flops import PEAK_FLOPS, mfu
-from distlab.grading import CheckFailed, describe_error, quiz
+from distlab.grading import quiz
+from distlab.grading.contract import CheckFailed, describe_error
 from distlab.grading.harness import ATOL, LONG_JOB_TIMEOUT, lab_seed, raise_if_untouched, run_on_ranks
 from distlab.grading.registry import Exercise
 from distlab.memory import PRESETS

@@ -32,7 +32,8 @@ from distlab.fault_tolerance.checkpoint import checkpoint_path, read_checkpoint
 from distlab.fault_tolerance.faults import Fault, flip_bit
 from distlab.fault_tolerance.guards import SpikeGuard, guarded_train
 from distlab.fault_tolerance.resume import resumable_train, run_with_restarts
-from distlab.grading import CheckFailed, quiz
+from distlab.grading import quiz
+from distlab.grading.contract import CheckFailed
 from distlab.grading.harness import JOB_TIMEOUT, lab_seed, max_difference
 from distlab.grading.registry import Exercise
 from distlab.model import GPT, GPTConfig

@@ -47,7 +47,7 @@ import random
 from dataclasses import dataclass, field
 from typing import Callable, Iterator, Sequence
 
-from distlab.grading import CheckFailed
+from distlab.grading.contract import CheckFailed
 from distlab.grading.registry import Exercise, exercises_of_lab, find_exercise
 
 __all__ = ["number", "choice", "Variation", "NumberCheck", "student_token", "your_numbers", "answer_given", "remark"]

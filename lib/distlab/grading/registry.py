@@ -1,8 +1,8 @@
 """Where every exercise and quiz question is listed: id, title, points and checker, one lab module each.
 
 Each ``distlab.grading.labNN`` module defines ``EXERCISES``, a list of
-:class:`Exercise`. Lab modules are found by name (``lab00.py`` … ``lab12.py``),
-so adding a lab never edits a shared list.
+:class:`Exercise`. Lab modules are found by name in this module's own folder
+(``lab00.py`` … ``lab13.py``), so adding a lab never edits a shared list.
 
 Ids: ``"2.1"`` is exercise 1 of lab 2; ``"Q2.1"`` is quiz question 1 of lab 2
 (see :mod:`distlab.grading.quiz`).
@@ -15,6 +15,7 @@ import pkgutil
 import re
 from dataclasses import dataclass
 from functools import lru_cache
+from pathlib import Path
 from typing import Callable
 
 _LAB_MODULE = re.compile(r"lab\d\d$")
@@ -68,6 +69,12 @@ def lab_of(exercise_id: str) -> int:
     return int(match["lab"])
 
 
+def lab_number(path) -> int | None:
+    """The lab a notebook belongs to, read from its file name (``03_ddp.ipynb`` -> 3), or None."""
+    match = re.match(r"(\d+)_", Path(path).name)
+    return int(match.group(1)) if match else None
+
+
 def sort_key(exercise_id: str) -> tuple[int, int, int]:
     """Lab order, exercises before quiz questions, then by number."""
     match = _ID.match(exercise_id)
@@ -75,10 +82,8 @@ def sort_key(exercise_id: str) -> tuple[int, int, int]:
 
 
 def lab_modules() -> list[str]:
-    """The names of the ``labNN`` checker modules in this package, in lab order."""
-    from distlab import grading  # noqa: PLC0415  breaks the import cycle distlab.grading -> registry -> grading
-
-    return sorted(m.name for m in pkgutil.iter_modules(grading.__path__) if _LAB_MODULE.match(m.name))
+    """The names of the ``labNN`` checker modules beside this one, in lab order."""
+    return sorted(m.name for m in pkgutil.iter_modules([str(Path(__file__).parent)]) if _LAB_MODULE.match(m.name))
 
 
 @lru_cache(maxsize=1)

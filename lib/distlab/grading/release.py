@@ -19,7 +19,7 @@ from pathlib import Path
 import nbformat
 
 from distlab.grading.quiz import student_token
-from distlab.grading.registry import lab_modules
+from distlab.grading.registry import lab_modules, lab_number
 
 __all__ = ["NEW_SECRET", "read_secret", "read_roster", "varied_questions", "release_notebook", "release"]
 
@@ -78,8 +78,6 @@ def release_notebook(notebook: nbformat.NotebookNode, lab: int, student: str, to
 
 def release(paths: list[str | Path], students: list[str], secret: bytes, out: str | Path) -> list[Path]:
     """Write ``out/<student>/<notebook>`` for every lab notebook in ``paths`` and every student."""
-    from distlab.grading.classroom import lab_number  # noqa: PLC0415  classroom starts kernels; release does not
-
     bad = [s for s in students if not s or "/" in s or "\\" in s or s.startswith(".")]
     if bad:
         raise ValueError(f"student names become folder names: {', '.join(map(repr, bad))} cannot")

@@ -17,21 +17,18 @@ import json
 from datetime import datetime, timezone
 from pathlib import Path
 
+from distlab.grading.contract import CheckResult
 from distlab.grading.registry import sort_key
 
-__all__ = ["collect", "content_hash", "parse_time", "submission_times", "previous_grades", "write_csv",
-           "write_gradescope", "write_feedback", "result_line"]
-
-MARKS = {"passed": "✓", "failed": "✗", "not attempted": "·", "not run": "-"}
+__all__ = ["collect", "student_names", "content_hash", "parse_time", "submission_times", "previous_grades",
+           "write_csv", "write_gradescope", "write_feedback"]
 
 
 def collect(paths: list[str]) -> list[tuple[Path, str]]:
     """Notebooks to grade and their students: each path a notebook, or a folder of submissions in which
     ``folder/<student>/*.ipynb`` belongs to ``<student>`` and ``folder/<name>.ipynb`` to ``<name>``. Notebooks
-    named one by one are named as :func:`~distlab.grading.classroom.student_names` says. Checkpoint copies
-    Jupyter keeps beside a notebook are skipped."""
-    from distlab.grading.classroom import student_names  # noqa: PLC0415  classroom imports this module
-
+    named one by one are named as :func:`student_names` says. Checkpoint copies Jupyter keeps beside a
+    notebook are skipped."""
     found: list[tuple[Path, str]] = []
     loose: list[Path] = []
     for given in map(Path, paths):
@@ -43,6 +40,16 @@ def collect(paths: list[str]) -> list[tuple[Path, str]]:
             loose.append(given)
     found += list(zip(loose, student_names([str(p) for p in loose])))
     return found
+
+
+def student_names(paths: list[str]) -> list[str]:
+    """How the report names each notebook: its folder when every file has the same name
+    (``submissions/alice/02_collectives.ipynb`` → ``alice``), else its file name."""
+    paths = [Path(p) for p in paths]
+    if len({p.name for p in paths}) == 1 and len({p.parent.name for p in paths}) == len(paths) > 1:
+        return [p.parent.name for p in paths]
+    stems = [p.stem for p in paths]
+    return stems if len(set(stems)) == len(stems) else [str(p) for p in paths]
 
 
 def content_hash(path: Path) -> str:
@@ -80,16 +87,6 @@ def previous_grades(report_path: str | None) -> dict[tuple[str, str], dict]:
     return {(n["student"], n.get("sha256", "")): n for n in report.get("notebooks", []) if n.get("sha256")}
 
 
-def result_line(exercise: dict) -> str:
-    """One exercise's line as the notebook prints it: mark, label, title, points and what differed."""
-    label = exercise.get("label") or f"Exercise {exercise['id']}"
-    head = f"{MARKS.get(exercise['status'], '?')} {label} {exercise['title']}: " \
-           f"{exercise['points']}/{exercise['max_points']} points"
-    if exercise["status"] in ("not attempted", "not run"):
-        return f"{head} ({exercise['status']})"
-    return f"{head} ({exercise['detail']})" if exercise.get("detail") else head
-
-
 def _exercise_ids(report: dict) -> list[str]:
     return sorted({e["id"] for n in report["notebooks"] for e in n["exercises"]}, key=sort_key)
 
@@ -112,10 +109,9 @@ def write_gradescope(report: dict, folder: str) -> list[Path]:
     autograder format: the score, and one test per exercise with its points, status and the printed line."""
     written = []
     for n in report["notebooks"]:
-        tests = [{"name": f"{e.get('label') or 'Exercise ' + e['id']} {e['title']}", "number": e["id"],
-                  "score": e["points"], "max_score": e["max_points"],
-                  "status": "passed" if e["status"] == "passed" else "failed", "output": result_line(e)}
-                 for e in sorted(n["exercises"], key=lambda e: sort_key(e["id"]))]
+        results = [CheckResult.from_entry(e) for e in sorted(n["exercises"], key=lambda e: sort_key(e["id"]))]
+        tests = [{"name": r.name, "number": r.id, "score": r.points, "max_score": r.max_points,
+                  "status": "passed" if r.status == "passed" else "failed", "output": r.line()} for r in results]
         output = [n["error"]] if n.get("error") else []
         if n.get("late"):
             output.append(f"submitted {n['submitted']}, after the deadline")
@@ -141,7 +137,8 @@ def write_feedback(report: dict, folder: str) -> list[Path]:
         if n.get("error"):
             lines.append(f"The notebook did not run to the end: {n['error']}.")
         lines += ["", "## Exercises and questions", ""]
-        lines += [f"- {result_line(e)}" for e in sorted(n["exercises"], key=lambda e: sort_key(e["id"]))]
+        lines += [f"- {CheckResult.from_entry(e).line()}"
+                  for e in sorted(n["exercises"], key=lambda e: sort_key(e["id"]))]
         if n.get("cell_errors"):
             lines += ["", "## Cells that raised", ""]
             lines += [f"- cell {c['cell']}: {c['ename']}: {c['message']}" for c in n["cell_errors"]]

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from distlab.data_parallel import allreduce_buckets, local_batches
+from distlab.data_parallel import allreduce_buckets
 from distlab.flops import step_report
 from distlab.model import GPT, GPTConfig, _mix
 from distlab.moe.layer import MoEConfig, MoELayer
@@ -25,6 +25,7 @@ from distlab.reference import make_optimizer
 from distlab.runtime import comm
 from distlab.runtime.rank import device
 from distlab.runtime.timeline import span
+from distlab.workload import local_batches
 
 __all__ = ["MoEGPT", "sync_gradients", "global_loads", "train_moe", "merge_expert_states", "train_moe_reference",
            "train"]

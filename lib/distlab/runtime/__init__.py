@@ -21,4 +21,10 @@ changed without the exercises.
 - ``payload``: how jobs and results travel (cloudpickle, with code objects kept whole)
 - ``reaper``: the process that ends the ranks if the launcher dies
 - ``kernels``: the Jupyter kernels notebooks run in, forked warm from one factory, and the client that drives them
+- ``output``: rank output a person can read (identical lines said once, rank order; HTML in a notebook), and
+  who is watching (a notebook, a terminal, or nobody: nbval, CI, the grader)
+- ``progress``: live progress bars for whoever watches, silent where nobody does; a loop inside ranks reports
+  to the launcher, which draws it
+- ``magic`` and ``console``: ``%load_ext distlab`` and the ``%%ranks`` cell magic (the notebook side), and the
+  namespace each warm rank keeps between cells (the rank side)
 """

@@ -18,6 +18,7 @@ from typing import Mapping
 from distlab.runtime.errors import (
     CollectiveTimeout,
     LaunchError,
+    LaunchInterrupted,
     LaunchTimeout,
     RankCrashed,
     RankFailed,
@@ -125,18 +126,19 @@ def stuck_ranks(in_op: Mapping[int, tuple[str, float, int]], pending, quiet_for:
 
 def failure(states: RankStates, ledgers: list[dict]) -> LaunchError:
     """The error that names the root cause among the ranks' errors and crashes."""
-    error = _root_cause(states)
+    intact = group_intact(states.errors, states.crashed, states.pending, ledgers)
+    error = _root_cause(states, intact)
     if isinstance(error, RankFailed):
-        error.group_intact = group_intact(states.errors, states.crashed, states.pending, ledgers)
+        error.group_intact = intact
     return error
 
 
-def _root_cause(states: RankStates) -> LaunchError:
+def _root_cause(states: RankStates, intact: bool = False) -> LaunchError:
     errors, crashed = states.errors, states.crashed
     kinds = {r: classify(info) for r, info in errors.items()}
     raised = sorted(r for r in errors if kinds[r] == "raised")
     if raised:  # an error in the user's own code is the root cause of whatever followed
-        return _rank_failed(states, raised)
+        return _rank_failed(states, raised, intact)
     if crashed:
         r = min(crashed)
         return RankCrashed(_crash_message(states, r), r, crashed[r])
@@ -149,16 +151,18 @@ def _root_cause(states: RankStates) -> LaunchError:
     return _rank_failed(states, sorted(errors))
 
 
-def _rank_failed(states: RankStates, candidates: list[int]) -> RankFailed:
+def _rank_failed(states: RankStates, candidates: list[int], intact: bool = False) -> RankFailed:
+    """``intact``: the other ranks are clean and a warm group keeps them (and a ``%%ranks`` cell's names)."""
     errors = states.errors
     first = candidates[0]
     info = errors[first]
     same = [r for r in sorted(errors) if errors[r]["exc_type"] == info["exc_type"]
             and errors[r]["message"] == info["message"]]
-    who = f"rank {first}" if len(same) == 1 else f"ranks {_ranks(same)}"
+    who = f"rank {first}" if len(same) == 1 else f"ranks {ranks_text(same)}"
     where = f" in {_op_text(info['in_op'], info.get('peer', -1))}" if info["in_op"] else ""
     headline = f"{who} raised {info['exc_type']}{where}: {first_line(info['message'])}"
-    context = _whereabouts(states, set(range(states.world_size)) - set(same))
+    context = _whereabouts(states, set(range(states.world_size)) - set(same),
+                           heading="Other ranks" if intact else "Other ranks, all now stopped")
     return RankFailed("\n".join(filter(None, [headline, context])) + "\n\n" + _format_traceback(first, info),
                       first, info["exc_type"], same)
 
@@ -185,7 +189,7 @@ def timeout_report(states: RankStates, stuck: Mapping[int, tuple[str, float, int
     op, peer = blocked[lead]
     ops = {_base_op(o) for o, _ in blocked.values()}
     p2p = ops <= {"send", "isend", "recv", "irecv"}
-    who = f"rank {lead}" if len(timed_out) <= 1 else f"ranks {_ranks(timed_out)}"
+    who = f"rank {lead}" if len(timed_out) <= 1 else f"ranks {ranks_text(timed_out)}"
     if p2p and not computing:
         kind = "deadlock"
         receiving = all(_base_op(o) in ("recv", "irecv") for o, _ in blocked.values())
@@ -212,7 +216,7 @@ def timeout_report(states: RankStates, stuck: Mapping[int, tuple[str, float, int
             hint = ("a blocking dist.send waits for a receiver that is itself sending: post dist.isend and "
                     "dist.irecv, then wait on both.")
         else:
-            done = f"; rank(s) {_ranks(finished)} finished their job" if finished else ""
+            done = f"; rank(s) {ranks_text(finished)} finished their job" if finished else ""
             headline = (f"a point-to-point op never completed ({pairs}{done}): no rank is sending or receiving "
                         f"what another waits for; check each send's destination against the receiver's "
                         f"source (timed out after {seconds}).")
@@ -226,13 +230,13 @@ def timeout_report(states: RankStates, stuck: Mapping[int, tuple[str, float, int
         kind = "slow"
         hint = "look for a collective those ranks skip, or an endless loop before it."
         headline = (f"{who} waited {states.patience:g} s in {_op_text(op, peer)} while rank(s) "
-                    f"{_ranks(computing)} kept computing (not in any collective): either they never reach "
+                    f"{ranks_text(computing)} kept computing (not in any collective): either they never reach "
                     f"that call, or their work before it takes longer than {states.patience:g} s.")
     elif finished:
         kind = "missing"
         hint = "every rank must make the same collective calls in the same order."
         headline = (f"{who} timed out after {seconds} waiting in {_op_text(op, peer)}: rank(s) "
-                    f"{_ranks(finished)} finished their job without calling it (a missing collective call; "
+                    f"{ranks_text(finished)} finished their job without calling it (a missing collective call; "
                     f"every rank must make the same collective calls in the same order).")
     else:
         kind, hint = "hang", "check that every rank makes this call with the same arguments."
@@ -243,6 +247,17 @@ def timeout_report(states: RankStates, stuck: Mapping[int, tuple[str, float, int
     trace = ("\n\n" + _format_traceback(lead, errors[lead])) if lead in errors else lines
     return CollectiveTimeout(f"{headline}\n{others}{trace}", {r: o for r, (o, _) in sorted(blocked.items())},
                              kind, hint)
+
+
+def interrupted(world_size: int, states: RankStates | None = None,
+                frames: Mapping[int, str] | None = None) -> LaunchInterrupted:
+    """The stop button ended a launch: with ``states``, what each rank was doing then, and the user's line each
+    rank still running was at (``frames``), which finds an endless loop the watchdog cannot call a hang."""
+    lines = [f"launch interrupted: all {world_size} ranks were stopped; the next launch starts fresh"]
+    if states is not None:
+        lines.append(_whereabouts(states, range(world_size), heading="When stopped"))
+    lines += [f"  rank {r} was at {frame}" for r, frame in sorted((frames or {}).items())]
+    return LaunchInterrupted("\n".join(lines))
 
 
 def job_timeout(states: RankStates, timeout: float) -> LaunchTimeout:
@@ -268,7 +283,7 @@ def unmatched_error(problems: list[str]) -> UnmatchedCommunication:
 
 
 def _crash_message(states: RankStates, r: int) -> str:
-    how = _describe_exit(states.crashed[r])
+    how = describe_exit(states.crashed[r])
     stderr = states.stderr.get(r, "")
     during = f" in {_op_text(states.in_op[r][0], states.in_op[r][2])}" if r in states.in_op else ""
     cause, frame = abort_details(stderr)
@@ -292,7 +307,7 @@ def _whereabouts(states: RankStates, ranks, heading: str = "Other ranks, all now
     parts = []
     for r in sorted(ranks):
         if r in states.crashed:
-            parts.append(f"rank {r}: exited ({_describe_exit(states.crashed[r])})")
+            parts.append(f"rank {r}: exited ({describe_exit(states.crashed[r])})")
         elif r in states.errors:
             info = states.errors[r]
             kind = classify(info)
@@ -401,7 +416,8 @@ def _looks_like_timeout(message: str) -> bool:
     return "timed out" in text or "timeout" in text
 
 
-def _describe_exit(code: int | None) -> str:
+def describe_exit(code: int | None) -> str:
+    """A process's exit code in words: ``exit code 1``, ``killed by signal SIGKILL``."""
     if code is None:
         return "exit status unknown"
     if code < 0:
@@ -412,7 +428,8 @@ def _describe_exit(code: int | None) -> str:
     return f"exit code {code}"
 
 
-def _ranks(ranks) -> str:
+def ranks_text(ranks) -> str:
+    """Ranks in words: a run of three or more as ``0-3``, else listed, ``0, 2``."""
     ranks = sorted(ranks)
     if len(ranks) > 2 and ranks == list(range(ranks[0], ranks[-1] + 1)):
         return f"{ranks[0]}-{ranks[-1]}"

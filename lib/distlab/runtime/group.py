@@ -23,10 +23,10 @@ from typing import Any, Callable, NamedTuple
 
 import torch.distributed as dist
 
-from distlab.runtime import diagnose, payload, reaper
+from distlab.runtime import diagnose, output, payload, progress, reaper
 from distlab.runtime import rank as rank_module
 from distlab.runtime.comm import CommLog
-from distlab.runtime.errors import LaunchError, ReturnValueError
+from distlab.runtime.errors import LaunchError, LaunchInterrupted, ReturnValueError
 from distlab.runtime.interrupts import InterruptGuard, close_quietly
 from distlab.runtime.timeline import Span
 
@@ -48,6 +48,26 @@ _preload = ["torch", "torch.distributed", "torch.distributed._functional_collect
             "distlab.runtime.payload", "distlab.runtime.rank", "distlab.runtime.reaper"]
 
 
+# multiprocessing's forkserver listens on a Unix socket at $TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX
+# (multiprocessing.connection.arbitrary_address), and a Unix socket's path holds at most 107 bytes on Linux,
+# 103 on macOS (sun_path less its NUL, man 7 unix).
+_SOCKET_PATH_LIMIT = 103 if sys.platform == "darwin" else 107
+_LISTENER_SUFFIX = len("/pymp-XXXXXXXX/listener-XXXXXXXX")
+
+
+def check_socket_room(temp: str | None = None) -> None:
+    """Refuse, in one line, a temporary folder too long for the forkserver's socket.
+
+    Python's own error comes from deep inside multiprocessing (``OSError: AF_UNIX path too long``) and names
+    no folder; a cluster job's ``$TMPDIR`` (``/local/scratch/job-…/…``) can be that long."""
+    temp = temp or tempfile.gettempdir()
+    room = _SOCKET_PATH_LIMIT - _LISTENER_SUFFIX
+    if len(os.fsencode(temp)) > room:
+        raise OSError(f"the temporary folder {temp!r} is {len(os.fsencode(temp))} bytes long; the ranks' forkserver "
+                      f"listens on a Unix socket inside it, which allows {room}: set TMPDIR to a shorter folder "
+                      "(export TMPDIR=/tmp) before starting Python")
+
+
 def forkserver_context():
     """A forkserver context whose server imported torch once, before any CUDA use."""
     global _context
@@ -55,6 +75,7 @@ def forkserver_context():
         if "forkserver" not in mp.get_all_start_methods():  # Windows, macOS without it
             _context = mp.get_context("spawn")
         else:
+            check_socket_room()
             _context = mp.get_context("forkserver")
             _context.set_forkserver_preload(list(_preload))
     return _context
@@ -133,16 +154,6 @@ class Phase(NamedTuple):
     args: dict | None = None
 
 
-def print_rank_output(stdout: list[str], stderr: list[str]) -> None:
-    """Each rank's output after the run, rank by rank, so notebooks show it deterministically."""
-    for r, text in enumerate(stdout):
-        for line in text.splitlines():
-            print(f"[rank {r}] {line}")
-    for r, text in enumerate(stderr):
-        for line in text.splitlines():
-            print(f"[rank {r}] {line}", file=sys.stderr)
-
-
 class RankGroup:
     """``world_size`` rank processes sharing one process group, driven through pipes."""
 
@@ -155,12 +166,14 @@ class RankGroup:
         self.job_id = 0
         self.created_at = time.perf_counter()
         self.ready_at: dict[int, float] = {}  # when each rank joined the process group (seen during the first job)
+        self._live = (set(range(world_size)), {}, {})  # pending, errors, crashed of the job under way
         ctx = forkserver_context()
         self.store = dist.TCPStore("127.0.0.1", 0, None, is_master=True, wait_for_workers=False,
                                    timeout=timedelta(seconds=max(30.0, self.collective_timeout)))
         self.workdir = tempfile.mkdtemp(prefix="distlab-")
         self.status = ctx.RawArray("d", [0.0, 0.0, -1.0, -1.0] * world_size)
         self.board = ctx.RawArray("d", 4 * world_size)
+        self.bars = progress.RankBars(self.store, world_size)  # what the ranks' progress bars report, drawn here
         LIVE_GROUPS.add(self)
         try:
             self._start(ctx, threads)
@@ -206,6 +219,7 @@ class RankGroup:
         self.job_id += 1
         self.dump_offsets = {}
         self._clear_output()
+        self.bars.start_job()
         start = time.perf_counter()
         job = (self.job_id, job_payload, start, os.getcwd(), list(sys.path), {"profile": bool(profile),
                                                                   "memory_snapshot": bool(memory_snapshot)})
@@ -214,7 +228,12 @@ class RankGroup:
                 conn.send(job)
             except (BrokenPipeError, ConnectionResetError, OSError):
                 pass  # that rank is gone; collecting reports how it ended
-        outcome = self._collect(start, timeout)
+        try:
+            outcome = self._collect(start, timeout)
+        except KeyboardInterrupt:
+            raise self._interrupted() from None
+        finally:
+            self.bars.finish()
         wall = time.perf_counter() - start
         phases = self._phases(start, wall, outcome if isinstance(outcome, LaunchError) else None)
         stdout = [self._read_output(r) for r in range(self.world_size)]
@@ -226,11 +245,25 @@ class RankGroup:
                                         stderr, wall, tuple(counters), phases, tuple(profiles), tuple(snapshots))
             if not (isinstance(outcome, ReturnValueError) or getattr(outcome, "group_intact", False)):
                 self.close()  # ranks left mid-communication (or dead): the next job needs fresh ones
-            print_rank_output(stdout, [diagnose.without_fault_dump(text) for text in stderr])
+            output.show(stdout, [diagnose.without_fault_dump(text) for text in stderr])
             raise outcome
         values, comm_logs, spans = outcome
         return JobResult(values, comm_logs, spans, stdout, stderr, wall, tuple(counters), phases, tuple(profiles),
                          tuple(snapshots))
+
+    def _interrupted(self) -> LaunchInterrupted:
+        """The stop button during a job: show what the ranks printed so far, and say what each was doing and at
+        which of the user's lines (a faulthandler dump of every rank still at work, as for a hang).
+
+        Runs under the caller's :class:`InterruptGuard`, which absorbs the presses that follow the first.
+        """
+        pending, errors, crashed = self._live
+        joined = [r for r in sorted(pending) if self.job_id > 1 or r in self.ready_at]
+        frames = self._blocked_frames(joined) if joined else {}
+        states = self._states(pending, errors, crashed)
+        output.show([self._read_output(r) for r in range(self.world_size)],
+                    [self._read_output(r, stream="err")[:self.dump_offsets.get(r)] for r in range(self.world_size)])
+        return diagnose.interrupted(self.world_size, states, frames)
 
     def _phases(self, start: float, wall: float, failure: LaunchError | None) -> tuple[Phase, ...]:
         """The launcher's side of the job, for its trace: starting the ranks (a group's first job), the job,
@@ -266,10 +299,12 @@ class RankGroup:
         pending = set(range(n))
         errors: dict[int, dict] = {}
         crashed: dict[int, int | None] = {}
+        self._live = (pending, errors, crashed)  # updated in place: what an interrupt reports (_interrupted)
         unrebuilt: dict[int, Exception] = {}
         first_failure_at = None
         settled_at = start  # when a rank last finished: a peer it just released may not have run yet
         while pending:
+            self.bars.poll()
             waitables = [self.conns[r] for r in pending] + [self.procs[r].sentinel for r in pending]
             for ready in multiprocessing.connection.wait(waitables, timeout=0.05):
                 r = self._rank_of(ready)
@@ -451,6 +486,8 @@ class RankGroup:
                 self.reaper.kill()
             self.reaper = None
         self.procs, self.conns = [], []
-        self.store = None  # the TCPStore server (a thread and its sockets) goes with it
+        if self.bars is not None:
+            self.bars.close()
+        self.store = self.bars = None  # the TCPStore server (a thread and its sockets) goes with them
         shutil.rmtree(self.workdir, ignore_errors=True)
         LIVE_GROUPS.discard(self)

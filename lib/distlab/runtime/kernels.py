@@ -39,6 +39,7 @@ import nbformat
 import numpy
 
 from distlab.runtime.group import forkserver_context
+from distlab.runtime.output import HEADLESS_ENV
 
 __all__ = ["KernelFactory", "serve_kernels", "kernel_manager_class", "notebook_client", "SHELL_POLL_SECONDS"]
 
@@ -254,7 +255,8 @@ def _adopt_forkserver() -> None:
 
 def kernel_manager_class(workdir: str, factory: KernelFactory | None = None):
     """An AsyncKernelManager over IPC sockets in ``workdir`` (no TCP port, so no "running over TCP
-    without encryption" warning), whose kernels come from ``factory`` when one is given."""
+    without encryption" warning), whose kernels come from ``factory`` when one is given and run headless
+    (:data:`~distlab.runtime.output.HEADLESS_ENV`)."""
     from jupyter_client import AsyncKernelManager  # noqa: PLC0415  only running a notebook needs jupyter_client
     from jupyter_client.kernelspec import KernelSpec  # noqa: PLC0415  as above
 
@@ -270,6 +272,12 @@ def kernel_manager_class(workdir: str, factory: KernelFactory | None = None):
             if factory is None:
                 return super().kernel_spec
             return KernelSpec(argv=factory.kernel_argv(), display_name="Python 3 (distlab warm)", language="python")
+
+        async def start_kernel(self, **kw):
+            # Nobody watches these kernels live: rank output as plain text and no progress bars
+            # (distlab.runtime.output.audience), so an executed notebook holds what nbval compares.
+            kw["env"] = {**(kw.get("env") or os.environ), HEADLESS_ENV: "1"}
+            return await super().start_kernel(**kw)
 
     return Manager
 

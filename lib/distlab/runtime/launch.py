@@ -43,6 +43,7 @@ from typing import Callable
 
 import torch
 
+from distlab.runtime import diagnose, output, trace
 from distlab.runtime.comm import CommLog
 from distlab.runtime.errors import (
     CollectiveTimeout,
@@ -54,7 +55,7 @@ from distlab.runtime.errors import (
     ReturnValueError,
     UnmatchedCommunication,
 )
-from distlab.runtime.group import LIVE_GROUPS, JobResult, Phase, RankGroup, print_rank_output
+from distlab.runtime.group import LIVE_GROUPS, JobResult, Phase, RankGroup
 from distlab.runtime.interrupts import InterruptGuard, close_quietly
 from distlab.runtime.timeline import Counter, Span
 
@@ -91,8 +92,6 @@ class Run(list):
 
     def trace(self, **options) -> dict:
         """This run as a Trace Event Format dict (see :func:`distlab.runtime.trace.from_run` for ``options``)."""
-        from distlab.runtime import trace  # noqa: PLC0415  trace imports this module (for Run)
-
         return trace.from_run(self, **options)
 
     def save_trace(self, path, **options):
@@ -101,8 +100,6 @@ class Run(list):
         ``options``: ``max_events`` (a cap; events past it are left out, with a warning saying how many),
         ``window=(start, end)`` seconds since the job was sent. See :mod:`distlab.runtime.trace`.
         """
-        from distlab.runtime import trace  # noqa: PLC0415  as above
-
         return trace.save(self.trace(**options), path)
 
     def save_memory_snapshots(self, folder) -> list[Path]:
@@ -212,8 +209,7 @@ def default_threads(world_size: int) -> int:
 
 
 def _interrupted(world_size: int) -> LaunchInterrupted:
-    return LaunchInterrupted(
-        f"launch interrupted: all {world_size} ranks were stopped; the next launch starts fresh")
+    return diagnose.interrupted(world_size)
 
 
 # ---------------------------------------------------------------- public API
@@ -276,14 +272,14 @@ def launch(fn: Callable, world_size: int = 4, args: tuple = (), kwargs: dict | N
         try:
             group = RankGroup(world_size, backend, collective_timeout, threads or default_threads(world_size))
             run = _one_job(group, fn, args, kwargs, timeout, profile, backend, memory_snapshot)
-        except KeyboardInterrupt:
-            raise _interrupted(world_size) from None
+        except KeyboardInterrupt as error:  # the group's own report says what each rank was doing
+            raise (error if isinstance(error, LaunchInterrupted) else _interrupted(world_size)) from None
         finally:
             close_quietly(group, guard)
         if guard.absorbed:
             raise _interrupted(world_size)
     if show_output:
-        print_rank_output(run.stdout, run.stderr)
+        output.show(run.stdout, run.stderr)
     return run
 
 
@@ -341,8 +337,17 @@ class Ranks:
                     raise _interrupted(self.world_size) from None
                 raise
         if show_output:
-            print_rank_output(run.stdout, run.stderr)
+            output.show(run.stdout, run.stderr)
         return run
+
+    @property
+    def alive(self) -> bool:
+        """True while this group's ranks are up: not yet started, closed, or ended by a failure is False."""
+        return self._group is not None and self._group.alive
+
+    def processes(self) -> list[tuple[int, int | None]]:
+        """(pid, exit code) of each rank, the code None while it runs; empty when no ranks are up or kept."""
+        return [(proc.pid, proc.exitcode) for proc in self._group.procs] if self._group is not None else []
 
     def close(self) -> None:
         group, self._group = self._group, None

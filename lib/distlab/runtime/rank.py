@@ -31,7 +31,7 @@ from multiprocessing import forkserver
 import torch
 import torch.distributed as dist
 
-from distlab.runtime import comm, payload, timeline
+from distlab.runtime import comm, payload, progress, timeline
 from distlab.runtime.frames import is_library_frame
 
 # Process-wide default seed torch uses in a fresh interpreter; every job starts from it,
@@ -69,6 +69,15 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
+def native_bf16(dev: torch.device) -> bool:
+    """Whether ``dev`` computes bf16 in hardware: a GPU of compute capability 8.0 or more.
+
+    ``torch.cuda.is_bf16_supported()`` with its defaults also answers True where bf16 is only emulated (a T4 or a
+    V100, Colab's and Kaggle's GPUs; ``including_emulation`` in ``torch/cuda/__init__.py``), and bf16 then runs at
+    a fraction of fp16's speed; the course picks a dtype by what the hardware does, so it asks without emulation."""
+    return dev.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+
+
 def main(spec: RankSpec, conn, status, board) -> None:
     """Entry point of a rank process."""
     # Our own process group: the launcher ends this rank and every process it starts with one
@@ -84,6 +93,7 @@ def main(spec: RankSpec, conn, status, board) -> None:
     except BaseException as error:  # reported to the parent, which ends the launch
         conn.send(("error", None, describe_error(error, in_op="init_process_group")))
         return
+    progress.report_to(spec.store_port, spec.rank)  # the rank's bars are drawn by the launcher
     comm.install()
     comm.set_status_hook(_status_writer(status, spec.rank), _inflight_writer(status, spec.rank))
     comm.set_fingerprint_board(board, spec.rank)
@@ -314,9 +324,12 @@ def describe_error(error: BaseException, in_op: str | None) -> dict:
     """A picklable account of an exception with the frames a user needs: theirs, not ours or torch's."""
     frames = traceback.extract_tb(error.__traceback__)
     frames = [f for f in frames if os.path.abspath(f.filename) != _THIS_FILE]
-    last_user = max((i for i, f in enumerate(frames) if not is_library_frame(f.filename)), default=len(frames) - 1)
+    users = [i for i, f in enumerate(frames) if not is_library_frame(f.filename)]
+    # From the user's first frame (a %%ranks cell is run by the runtime's console) to their last (what they
+    # called inside torch or distlab is counted, not shown).
+    first_user, last_user = (users[0], users[-1]) if users else (0, len(frames) - 1)
     hidden = len(frames) - 1 - last_user
-    frames = frames[: last_user + 1]
+    frames = frames[first_user: last_user + 1]
     return {
         "exc_type": type(error).__name__,
         "message": str(error),

@@ -21,7 +21,8 @@ import torch
 import torch.distributed as dist
 import torch.nn as nn
 
-from distlab.data_parallel import DEFAULT_BUCKET_CAP_BYTES, assign_buckets, broadcast_parameters, gradient_params
+from distlab.data_parallel import DEFAULT_BUCKET_CAP_BYTES, assign_buckets, broadcast_parameters
+from distlab.workload import gradient_params
 from distlab.zero.flat import Axis, FlatParam, reduce_scatter_mean
 from distlab.zero.optim import ShardedOptimizer
 
