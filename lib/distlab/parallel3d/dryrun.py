@@ -357,13 +357,13 @@ class _ShardChannels:
     def __init__(self, channels, tp: int):
         self.channels, self.tp = channels, tp
 
-    def send(self, tensor: torch.Tensor, dst: int):
-        return self.channels.send(tensor, dst)
+    def send(self, tensor: torch.Tensor, dst: int, kind: str = "act"):
+        return self.channels.send(tensor, dst, kind)
 
-    def recv(self, buffer: torch.Tensor, src: int):
+    def recv(self, buffer: torch.Tensor, src: int, kind: str = "act"):
         rows, T, width = buffer.shape
         buffer.resize_(rows, T // self.tp, width * self.tp)  # the same number of values: the storage stays
-        return self.channels.recv(buffer, src)
+        return self.channels.recv(buffer, src, kind)
 
 
 def _axis_of_groups(spec: DryRunSpec, rank: int) -> dict[str, str]:
