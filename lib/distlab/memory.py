@@ -35,6 +35,8 @@ GiB = 2**30
 def _storage_key_and_bytes(t: torch.Tensor) -> tuple[tuple, int]:
     try:
         storage = t.untyped_storage()
+        if t.device.type == "meta":  # every meta storage's data pointer is 0: one storage object per allocation
+            return ("meta", id(storage)), storage.nbytes()
         return (str(t.device), storage.data_ptr()), storage.nbytes()
     except (RuntimeError, NotImplementedError):  # tensor subclasses without a plain storage
         return ("id", id(t)), t.numel() * t.element_size()

@@ -119,7 +119,7 @@ class GPT(nn.Module):
     (``torch.utils.checkpoint``): only block inputs are kept between forward and backward.
     """
 
-    def __init__(self, cfg: GPTConfig, seed: int = 0):
+    def __init__(self, cfg: GPTConfig, seed: int = 0, device: str = "cpu"):
         super().__init__()
         self.cfg = cfg
         self.activation_checkpointing = False
@@ -131,10 +131,12 @@ class GPT(nn.Module):
         self.blocks = nn.ModuleList(Block(cfg, device=meta) for _ in range(cfg.n_layer))
         self.ln_f = nn.LayerNorm(cfg.d_model, bias=cfg.bias, device=meta)
         self.lm_head = nn.Linear(cfg.d_model, cfg.vocab_size, bias=False, device=meta)
-        self.to_empty(device="cpu")
+        if device != "meta":  # device="meta": shapes only, nothing allocated (distlab.parallel3d.dryrun at 405B)
+            self.to_empty(device=device)
         if cfg.tied_embeddings:
             self.lm_head.weight = self.tok_emb.weight  # one tensor, two uses
-        self.init_weights(seed)
+        if device != "meta":
+            self.init_weights(seed)
 
     @torch.no_grad()
     def init_weights(self, seed: int = 0) -> None:

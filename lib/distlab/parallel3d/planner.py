@@ -5,7 +5,7 @@ Nothing here is a new formula. Each number comes from the module that teaches it
 
 * memory per GPU — :func:`distlab.memory.bytes_per_param` (ZeRO), :func:`distlab.memory.activation_bytes_per_layer`
   (checkpointing) and :func:`distlab.tensor_parallel.activation_bytes_per_layer_tp` (TP + sequence
-  parallelism), times the micro-batches rank 0 of the pipeline holds
+  parallelism, no dropout masks), times the micro-batches rank 0 of the pipeline holds
   (:func:`distlab.pipeline_parallel.peak_in_flight`);
 * communication per step — :func:`distlab.tensor_parallel.collectives_per_block` (TP),
   :func:`distlab.context_parallel.cost.ring_bytes` (CP), one activation per micro-batch and
@@ -416,8 +416,9 @@ def estimate(model: ModelShape, cluster: Cluster, layout: Layout, global_batch: 
     per_param = bytes_per_param(layout.zero, layout.dp * layout.cp, precision)
     unsharded = bytes_per_param(0, 1, precision)
     params = _params_per_rank(model, layout)
+    # Llama trains without dropout (torchtitan's Llama 3 has no dropout layer): no masks to keep
     full_layer = activation_bytes_per_layer_tp(seq, mb, model.d_model, model.n_head, layout.tp,
-                                               sequence_parallel=True, flash_attention=True)
+                                               sequence_parallel=True, flash_attention=True, dropout=False)
     if layout.checkpointing:  # keep each layer's input (a sequence shard), recompute one layer at a time
         per_layer = activation_bytes_per_layer(seq, mb, model.d_model, model.n_head, checkpointing=True) / layout.tp
         working = full_layer

@@ -104,7 +104,7 @@ def _exact(value: Fraction) -> int | float:
 
 def activation_bytes_per_layer_tp(seq_len: int, batch: int, d_model: int, n_head: int, tp: int = 1,
                                   sequence_parallel: bool = False, bytes_per_value: int = 2,
-                                  flash_attention: bool = False) -> int | float:
+                                  flash_attention: bool = False, dropout: bool = True) -> int | float:
     """Per-rank activation bytes of one layer, no recomputation (Korthikanti et al. 2022, Table 2):
 
         TP:       s·b·h·(10 + 24/t + 5·a·s/(h·t))
@@ -115,12 +115,16 @@ def activation_bytes_per_layer_tp(seq_len: int, batch: int, d_model: int, n_head
     LayerNorms, the QKV and fc inputs and the dropout masks stay whole on every rank — SP
     splits those too (storing the QKV and fc inputs as sequence shards). Written for 16-bit
     values; ``bytes_per_value`` rescales; ``flash_attention`` drops the scores' term, as in
-    :func:`distlab.memory.activation_bytes_per_layer`.
+    :func:`distlab.memory.activation_bytes_per_layer`. ``dropout=False``: a model trained without
+    dropout (Llama; the lab's GPT) keeps no masks: the two 1-byte masks after attention and the MLP
+    (2·sbh of the 10, or of SP's 34) go, and of the scores' ``5·a·s/h`` only the softmax output stays (``2·a·s/h``:
+    without a dropout between them, the product with V keeps the same tensor).
     """
     s, b, h, a, t = seq_len, batch, d_model, n_head, tp
-    whole = Fraction(0 if sequence_parallel else 10)
-    split = Fraction(34 if sequence_parallel else 24)
-    scores = 0 if flash_attention else Fraction(5 * a * s, t)
+    masks = 0 if dropout else 2
+    whole = Fraction(0 if sequence_parallel else 10 - masks)
+    split = Fraction(34 - masks if sequence_parallel else 24)
+    scores = 0 if flash_attention else Fraction((5 if dropout else 2) * a * s, t)
     per_value = Fraction(s * b) * (h * (whole + split / t) + scores)
     return _exact(per_value * bytes_per_value / 2)
 
