@@ -26,7 +26,7 @@ import torch
 import torch.distributed as dist
 
 from distlab.collectives import ring_all_reduce_bytes
-from distlab.data_parallel import OverlappedDDP, assign_buckets, pytorch_buckets, train_step
+from distlab.data_parallel import OverlappedDDP, assign_buckets, pytorch_bucket_count, train_step
 from distlab.data_parallel import broadcast_parameters as reference_broadcast
 from distlab.flops import mfu
 from distlab.grading import quiz
@@ -334,8 +334,7 @@ QUIZ = [
     quiz.number("Q3.3", "all-reduces per step, after the first iteration, for {megabytes} MB of gradients under "
                 "PyTorch DDP's default buckets", rel_tol=0, given=dict(megabytes=30),
                 vary=dict(megabytes=(10, 20, 50, 60, 80, 100, 120)),
-                solve=lambda megabytes: len(pytorch_buckets([torch.nn.Parameter(torch.empty(25_000))
-                                                             for _ in range(megabytes * 10)])),
+                solve=lambda megabytes: pytorch_bucket_count(megabytes * 1e6),
                 hint="'What PyTorch's DDP really does with buckets': which cap does the first bucket get, and "
                      "which the others?"),
     quiz.choice("Q3.4", "all-reduce rounds per optimizer step with 4 micro-steps under no_sync", answer="b",
