@@ -5,8 +5,11 @@ them lives here, so that every lab draws, runs and compares the same way and a f
 
 * :func:`lab_seed` and :func:`rank_seed`: where hidden cases (fixed in self-study, the grader's when graded)
   and per-rank weights come from;
-* :data:`JOB_TIMEOUT`, :data:`LONG_JOB_TIMEOUT`, :data:`ATOL`, :data:`WEIGHT_ATOL`: what a time limit
-  and a tolerance are for;
+* :class:`Edge` and :func:`case_drawn`: the boundaries each exercise's text names (a size not divisible by the
+  world, N = 2, a value at a threshold), and each hidden case as it is drawn, so a test sees that the cases
+  cover every boundary under every seed;
+* :data:`JOB_TIMEOUT`, :data:`LONG_JOB_TIMEOUT`: what a time limit is for; :func:`tolerance`: the one rule
+  for how close a right answer comes (relative and absolute, from the dtype's epsilon and the terms summed);
 * :func:`run_on_ranks` and :func:`launch_failures_fail_the_check`: a job whose ranks deadlock, disagree
   or never finish becomes a :class:`~distlab.grading.contract.CheckFailed` that says so, not a traceback;
   :func:`rank_group` and :func:`run_job` for a checker that runs several jobs on a group of its own;
@@ -23,6 +26,7 @@ import math
 import os
 import textwrap
 import types
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
 
@@ -42,7 +46,8 @@ from distlab.runtime.launch import (
 )
 from distlab.workload import build_model, gradient_bytes
 
-__all__ = ["GRADE_SEED_VARIABLE", "JOB_TIMEOUT", "LONG_JOB_TIMEOUT", "ATOL", "WEIGHT_ATOL", "WORLD_SIZES",
+__all__ = ["Edge", "case_drawn", "cases_drawn", "uncovered", "GRADE_SEED_VARIABLE", "JOB_TIMEOUT",
+           "LONG_JOB_TIMEOUT", "ATOL", "WEIGHT_ATOL", "WORLD_SIZES",
            "RANK_GROUP_COLLECTIVE_TIMEOUT", "lab_seed", "rank_seed", "random_tensor", "case_gradient_bytes",
            "raise_if_untouched", "launch_failures_fail_the_check", "run_on_ranks", "rank_group", "run_job", "ops_used",
            "max_difference", "Tolerance", "ROUNDING_ULPS", "DEFAULT_TERMS", "tolerance", "is_close", "assert_close",
@@ -98,6 +103,46 @@ def case_gradient_bytes(case) -> int:
     a tied weight once, frozen weights never. One all-reduce of each per step is what DDP moves, and
     what a DDP or ZeRO step's traffic is held to."""
     return gradient_bytes(build_model(case.model, case.cfg, seed=case.seed))
+
+
+# ---------------------------------------------------------------- the edges each exercise's text names
+
+@dataclass(frozen=True)
+class Edge:
+    """A boundary an exercise's text or docstring states ("a size not divisible by the world size", "N = 2", "a
+    value exactly at the threshold"), as a test on one hidden case's facts (what :func:`case_drawn` recorded).
+    A lab lists them per exercise in ``EDGES``; ``tests/grading/test_edges.py`` runs each reference under
+    several seeds and fails when a seed's cases miss an edge, so a boundary is in the cases by construction,
+    never by the luck of a draw."""
+
+    name: str
+    holds: Callable[[dict], bool]
+
+    def covered_by(self, cases: list[dict]) -> bool:
+        return any(self.holds(case) for case in cases)
+
+
+# Every hidden case drawn in this process since :func:`cases_drawn` was last cleared, as (exercise, facts).
+_CASES: list[tuple[str, dict]] = []
+
+
+def case_drawn(exercise: str, **facts) -> None:
+    """A checker says what a hidden case is as it draws it (world size, sizes, dtype, values at a threshold…):
+    the facts an exercise's :class:`Edge` tests read. It changes nothing in the check."""
+    _CASES.append((exercise, facts))
+
+
+def cases_drawn(exercise: str, clear: bool = False) -> list[dict]:
+    """The facts of ``exercise``'s cases drawn so far in this process; ``clear`` forgets every exercise's."""
+    found = [facts for drawn, facts in _CASES if drawn == exercise]
+    if clear:
+        _CASES.clear()
+    return found
+
+
+def uncovered(edges: list[Edge], cases: list[dict]) -> list[str]:
+    """The names of the edges no case sits on."""
+    return [edge.name for edge in edges if not edge.covered_by(cases)]
 
 
 # ---------------------------------------------------------------- running the student's code
