@@ -97,6 +97,8 @@ def test_classify_reads_where_to_look_from_the_message():
     assert classify("failed", "raised ZeroDivisionError: division by zero (at line 4: n = 1 / 0)") == "vague"
     assert classify("failed", "raised RuntimeError: a Tensor with 3 elements cannot be converted to Scalar (at "
                               "line 5: x.item()); the usual slip: .item() needs one element") == "specific"
+    assert classify("failed", "the 2 ranks together sent 5460 bytes; a ring sends each chunk N-1 times per phase, "
+                              "3640 bytes in all (world size 2, 455 float32 elements)") == "specific"
 
 
 def test_killed_surviving_and_hanging_mutants_of_a_real_checker():
@@ -111,10 +113,10 @@ def test_killed_surviving_and_hanging_mutants_of_a_real_checker():
     survivor = next(m for change, m in made.items() if change.startswith("statements-swapped: `params = "))
     looping = text.replace("    n = world_size\n", "    n = world_size\n    while n:\n        pass\n")
     kind, detail, _ = mutants.check_mutant(source, namespace, "1.1", killed.source, limit=120)
-    assert kind == "vague" and "bytes/param, got" in detail, (kind, detail)
+    assert kind == "specific" and "that is stage 2's count" in detail, (kind, detail)
     kind, detail, _ = mutants.check_mutant(source, namespace, "1.1", survivor.source, limit=120)
     assert kind == "survived", (kind, detail)
     kind, _, seconds = mutants.check_mutant(source, namespace, "1.1", looping, limit=3)
     assert kind == "hung" and 3 <= seconds < 60
     kind, detail, _ = mutants.check_mutant(source, namespace, "1.1", text.replace("2 / n if", "2 // n if"), 120)
-    assert kind == "vague", detail  # floor division: only numbers, for lab 01's checker
+    assert kind == "specific" and "// rounds each share down" in detail, detail

@@ -46,7 +46,7 @@ from pathlib import Path
 import nbformat
 
 from distlab.grading.cells import cells_checks_need
-from distlab.grading.contract import slip_of
+from distlab.grading.contract import SLIP_SAID, slip_of
 from distlab.grading.harness import GRADE_SEED_VARIABLE
 from distlab.notebooks import REPO_ROOT, SOLUTION_BLOCK
 
@@ -61,10 +61,11 @@ REPORT = REPO_ROOT / "benchmarks" / "results" / "mutants.txt"
 # At most this many mutants per exercise (each operator represented, the rest drawn with a fixed seed): a long
 # solution makes hundreds, and a few dozen of each kind already find the checker's gaps.
 MAX_PER_EXERCISE = 40
-# A mutant's time limit: this many times its reference's check time, and never below MIN_LIMIT seconds. A
-# deadlock takes the checker's own collective timeout to fail, so the floor is well above it.
+# A mutant's time limit: this many times its reference's check time, and never below MIN_LIMIT seconds: above the
+# checkers' own job limits (harness.JOB_TIMEOUT, LONG_JOB_TIMEOUT: 60 and 120 s), so a checker that catches a hang
+# itself is seen doing so.
 LIMIT_FACTOR = 4.0
-MIN_LIMIT = 60.0
+MIN_LIMIT = 150.0
 # How long the reference check of one exercise may take before the tool gives up on that exercise.
 REFERENCE_LIMIT = 900.0
 
@@ -458,7 +459,9 @@ def classify(status: str, detail: str) -> str:
     if status != "failed":
         return "vague"
     if detail.startswith("raised "):
-        return "specific" if slip_of(detail) is not None else "vague"
+        return "specific" if SLIP_SAID in detail or slip_of(detail) is not None else "vague"
+    while (trailing := re.search(r"\s*\([^()]*\)\s*$", detail)) and not detail.startswith("("):
+        detail = detail[:trailing.start()]  # the case, named in parentheses at the end, is no advice
     numbers = list(_NUMBER.finditer(detail))
     tail = detail[numbers[-1].end():] if numbers else detail
     words = re.findall(r"[A-Za-z_][A-Za-z_.()']+", tail)
@@ -476,6 +479,7 @@ class Outcome:
     kind: str  # specific | vague | survived | hung | equivalent
     seconds: float
     detail: str = ""
+    status: str = ""  # the check's: passed, failed, hung
 
 
 def _adopt_forkserver() -> None:
@@ -656,7 +660,6 @@ def run_lab(lab: int, results: dict, save: Callable[[], None], exercises: list[s
     from distlab.runtime.launch import shutdown  # noqa: PLC0415  the namespace may have started ranks
 
     shutdown()
-    known = equivalents(lab)
     for exercise in sorted(source.answers, key=lambda e: int(e.split(".")[1])):
         if exercises and exercise not in exercises:
             continue
@@ -687,10 +690,9 @@ def run_lab(lab: int, results: dict, save: Callable[[], None], exercises: list[s
             if key in entry["outcomes"]:
                 continue
             kind, detail, took = check_mutant(source, namespace, exercise, mutant.source, limit, seed)
-            if kind == "survived" and key in known:
-                kind = "equivalent"
+            status = "passed" if kind == "survived" else kind if kind == "hung" else "failed"
             entry["outcomes"][key] = asdict(Outcome(key, mutant.operator, mutant.line, mutant.change, kind,
-                                                    round(took, 2), detail[:400]))
+                                                    round(took, 2), detail[:1000], status))
             save()
         entry["finished"] = True
         save()
@@ -719,12 +721,29 @@ def _sort_key(exercise: str) -> tuple[int, int]:
     return int(lab), int(k)
 
 
+def kind_of(outcome: dict, known: dict[str, str]) -> str:
+    """An outcome's kind as this tool classifies it now: from the check's status and message (so a better
+    classification reads old results anew), "equivalent" for a survivor the lab lists."""
+    status = outcome.get("status") or {"survived": "passed", "equivalent": "passed", "hung": "hung"}.get(
+        outcome["kind"], "failed")
+    if status == "hung":
+        return "hung"
+    if outcome["kind"] == "vague" and not outcome["detail"]:
+        return "vague"  # the tool's own error or a crashed check: no message to read
+    kind = classify(status, outcome["detail"])
+    return "equivalent" if kind == "survived" and outcome["key"] in known else kind
+
+
 def summary(results: dict) -> dict[str, dict[str, int]]:
     """Per exercise: mutants run and how many of each kind."""
     table = {}
+    known = {}
     for exercise, entry in sorted(results["exercises"].items(), key=lambda item: _sort_key(item[0])):
+        lab = int(exercise.split(".")[0])
+        known.setdefault(lab, equivalents(lab))
         counts = {kind: 0 for kind in KINDS}
         for outcome in entry.get("outcomes", {}).values():
+            outcome["kind"] = kind_of(outcome, known[lab])
             counts[outcome["kind"]] += 1
         counts["run"] = sum(counts[kind] for kind in KINDS)
         counts["generated"] = entry.get("generated", 0)

@@ -71,8 +71,12 @@ def _use_what_all_reduce_returned():
     return total / dist.get_world_size()
 
 
+def _send_to_myself():
+    dist.send(torch.ones(1), dist.get_rank())  # a ring's neighbour computed as the rank itself
+
+
 ON_RANKS = {"collective-buffer-size": _gather_into_a_short_buffer,
-            "collective-returns-none": _use_what_all_reduce_returned}
+            "collective-returns-none": _use_what_all_reduce_returned, "peer-is-this-rank": _send_to_myself}
 
 
 def test_every_slip_has_an_example_here():

@@ -17,7 +17,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 __all__ = ["STUB_MESSAGE", "MARKS", "CheckFailed", "CheckResult", "is_not_attempted", "describe_error",
-           "student_frame", "first_line", "Slip", "SLIPS", "slip_of"]
+           "student_frame", "first_line", "Slip", "SLIPS", "SLIP_SAID", "slip_of"]
 
 # What an untouched exercise raises: ``distlab labs`` writes it into the student's stub, and a check reads a
 # NotImplementedError as "not attempted".
@@ -80,7 +80,7 @@ def describe_error(error: BaseException) -> str:
     where = student_frame(error)
     text = f"{text} (at {where})" if where else text
     slip = slip_of(error)
-    return f"{text}; the usual slip: {slip.says}" if slip else text
+    return f"{text}{SLIP_SAID}{slip.says}" if slip else text
 
 
 def student_frame(error: BaseException) -> str:
@@ -114,6 +114,8 @@ class Slip:
     says: str
 
 
+# How a result line introduces the slip it names.
+SLIP_SAID = "; the usual slip: "
 # The one list of slips (tests/grading/test_slips.py raises each for real and checks it is named). First match wins.
 SLIPS = [
     Slip("leaf-updated-in-place", r"a leaf Variable that requires grad is being used in an in-place operation",
@@ -157,6 +159,10 @@ SLIPS = [
          r"Received data size doesn't match expected size|output tensor size must be",
          "a collective's buffer has the wrong size: all_gather_into_tensor's output (reduce_scatter_tensor's "
          "input) holds world_size times the shard, and a receive must expect exactly what its peer sends"),
+    Slip("peer-is-this-rank", r"Pair is not connected|destination rank should not be the same|source rank should "
+         r"not be the same",
+         "a send or receive with this rank itself as the peer: a ring's neighbours are (rank + 1) % N and "
+         "(rank - 1) % N, never the rank itself"),
     Slip("outside-the-ranks", r"Default process group has not been initialized",
          "torch.distributed is used outside the ranks: call it inside the function the ranks run"),
     Slip("devices-mixed", r"to be on the same device|to be in the same device|is not on the expected device",
