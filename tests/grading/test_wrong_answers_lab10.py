@@ -8,7 +8,6 @@ library's answer with that one mistake applied to its output, which is exactly w
 
 from __future__ import annotations
 
-import random
 import re
 from collections import Counter
 
@@ -35,6 +34,15 @@ def one_stop_word_is_enough(text):
 def hash_ratio_inclusive(text):  # '>=' instead of '>': rejects a page with exactly 10% hashtags
     words = quality.split_words(text)
     return quality.passes_quality(text) and not (words and text.count("#") / len(words) >= 0.1)
+
+
+def alphabetic_ratio_over_words(text):
+    """Issue 46 item 26: the 80% alphabetic rule over split_words (pure punctuation dropped), not whitespace tokens."""
+    failure = quality.gopher_quality_failure(text)
+    if failure not in (None, "alpha_words"):
+        return False
+    words = quality.split_words(text)
+    return sum(any(ch.isalpha() for ch in w) for w in words) / len(words) >= 0.8
 
 
 def only_ascii_ellipses(text):  # counts '...' but not the single character '…'
@@ -165,6 +173,28 @@ def blank_lines_left_behind(texts, min_documents):  # removes the lines, never c
 # ---------------------------------------------------------------- 10.5 token shards
 
 
+def _shard(docs, out_path, encode):
+    spans = [[shards.EOT] + encode(text) for text in docs]
+    shards.atomic_write_bytes(out_path, np.array([t for span in spans for t in span], dtype="<u2").tobytes())
+    offsets = np.cumsum([0] + [len(span) for span in spans[:-1]]).tolist()
+    return offsets
+
+
+def encode_not_ordinary(docs, out_path):  # issue 46 item 24: encode(), which refuses special-token text
+    return _shard(docs, out_path, shards.gpt2_encoding().encode)
+
+
+def encode_with_every_special(docs, out_path):  # encode(allowed_special="all"): page text becomes a special token
+    return _shard(docs, out_path, lambda text: shards.gpt2_encoding().encode(text, allowed_special="all"))
+
+
+def written_in_place(docs, out_path):  # issue 46 item 24: no temporary file, no os.replace
+    spans = [[shards.EOT] + shards.gpt2_encoding().encode_ordinary(text) for text in docs]
+    with open(out_path, "wb") as handle:
+        handle.write(np.array([t for span in spans for t in span], dtype="<u2").tobytes())
+    return np.cumsum([0] + [len(span) for span in spans[:-1]]).tolist()
+
+
 def no_separator(docs, out_path):
     tokens = [t for d in docs for t in shards.gpt2_encoding().encode_ordinary(d)]
     np.array(tokens, dtype="<u2").tofile(out_path)
@@ -195,6 +225,8 @@ WRONG = [
     ("10.1", one_stop_word_is_enough, r"stop_words"),
     ("10.1", hash_ratio_inclusive, r"10% hashes.*passes every rule"),
     ("10.1", only_ascii_ellipses, r"ellips"),
+    ("10.1", alphabetic_ratio_over_words, r"'75% alphabetic, dashes'.*the alphabetic ratio counts whitespace tokens "
+                                          r"\(text.split\(\)\), dashes and other pure punctuation included"),
     ("10.1", fifty_words_is_too_few, r"'50 words'.*passes every rule"),
     ("10.2", cards_without_luhn, r"Luhn-invalid"),
     ("10.2", clock_time_as_ipv6, r"clock time \(not an IPv6\)"),
@@ -213,17 +245,13 @@ WRONG = [
     ("10.5", int32_ids, r"bytes"),
     ("10.5", eot_after_each_document, r"EOT before each document"),
     ("10.5", offsets_past_the_eot, r"expected document offsets"),
+    ("10.5", encode_not_ordinary, r"a document holding the text <\|endoftext\|> made the encoder raise .*use "
+                                  r"encode_ordinary"),
+    ("10.5", encode_with_every_special, r"a document's own text <\|endoftext\|> became the special token 50256: use "
+                                        r"encode_ordinary"),
+    ("10.5", written_in_place, r"out_path was written in place: write the shard to a temporary name beside it, then "
+                               r"os.replace\(\) it"),
 ]
-
-
-@pytest.fixture(autouse=True)
-def fixed_hidden_cases(monkeypatch):
-    """The checkers draw fresh hidden cases on every call, as they do for a student; a wrong answer fails every
-    draw, but which of its mistakes a draw shows first can differ. This table pins the draw it names."""
-    import distlab.grading.lab10 as lab10
-
-    seeded = random.Random
-    monkeypatch.setattr(lab10.random, "Random", lambda seed=None: seeded(2026 if seed is None else seed))
 
 
 @pytest.mark.parametrize("exercise, wrong, names_it", WRONG, ids=[w.__name__ for _, w, _ in WRONG])

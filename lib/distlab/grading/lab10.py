@@ -7,6 +7,8 @@ with what to look at.
 
 from __future__ import annotations
 
+import contextlib
+import os
 import random
 import tempfile
 from collections import Counter
@@ -15,9 +17,10 @@ from pathlib import Path
 import numpy as np
 
 from distlab.data.dedup import candidate_probability
-from distlab.data.shards import SHARD_DTYPE
+from distlab.data.shards import EOT, SHARD_DTYPE
 from distlab.grading import quiz
-from distlab.grading.contract import CheckFailed
+from distlab.grading.contract import CheckFailed, first_line
+from distlab.grading.harness import Edge, case_drawn, lab_seed
 from distlab.grading.registry import Exercise
 
 
@@ -47,6 +50,9 @@ def _quality_cases(rng: random.Random) -> list[tuple[str, str]]:
              ("90% bullet lines", lines(18, 2, bullet)), ("95% bullet lines", lines(19, 1, bullet)),
              ("30% ellipsis lines", lines(6, 14, teaser)), ("35% ellipsis lines", lines(7, 13, teaser)),
              ("80% alphabetic", words(100, ["1999"] * 20)), ("75% alphabetic", words(100, ["42"] * 25)),
+             # pure punctuation is a whitespace token without a letter, yet no word (split_words drops it): the
+             # alphabetic ratio counts it, so these two tell whitespace tokens from words
+             ("80% alphabetic, dashes", words(100, ["—"] * 20)), ("75% alphabetic, dashes", words(100, ["—"] * 25)),
              ("one stop word", " ".join(["the"] + [rng.choice(samples.NOUNS) for _ in range(80)])),
              ("no words", "... --- !!! ???")]
     rng.shuffle(cases)
@@ -56,16 +62,27 @@ def _quality_cases(rng: random.Random) -> list[tuple[str, str]]:
 def check_quality(passes_quality) -> str:
     from distlab.data.quality import gopher_quality_failure  # noqa: PLC0415  loads datasketch and warcio
 
-    rng = random.Random()
+    rng = random.Random(lab_seed(10) + 1)
     cases = _quality_cases(rng) + _quality_cases(rng)
     for name, text in cases:
+        case_drawn("10.1", name=name)
         rule = gopher_quality_failure(text)
         got = passes_quality(text)
         if bool(got) != (rule is None):
             why = f"it breaks the '{rule}' rule" if rule else "it passes every rule"
             raise CheckFailed(f"case '{name}': expected {rule is None} ({why}), got {got!r}; "
-                              f"text begins {text[:90]!r}")
+                              f"text begins {text[:90]!r}: {_quality_hint(name, rule)}")
     return f"{len(cases)} pages, every threshold on both sides"
+
+
+def _quality_hint(name: str, rule: str | None) -> str:
+    """Where to look when a page's verdict is wrong: the rule the case sits at the threshold of."""
+    if "dashes" in name:
+        return ("the alphabetic ratio counts whitespace tokens (text.split()), dashes and other pure punctuation "
+                "included, not the words of split_words")
+    if rule:
+        return f"look at the '{rule}' rule: its threshold, and which side of it is kept"
+    return "each rule's threshold is inclusive on the kept side (<= or >=): check the one this page is at"
 
 
 def _pii_cases(rng: random.Random) -> list[tuple[str, str]]:
@@ -102,9 +119,10 @@ def _luhn_complete(digits: str) -> str:
 def check_pii(scrub_pii) -> str:
     from distlab.data.pii import scrub_pii as reference  # noqa: PLC0415  loads datasketch and warcio
 
-    rng = random.Random()
+    rng = random.Random(lab_seed(10) + 2)
     cases = _pii_cases(rng)
     for name, text in cases:
+        case_drawn("10.2", name=name)
         want_text, want_counts = reference(text)
         got = scrub_pii(text)
         if not (isinstance(got, tuple) and len(got) == 2):
@@ -120,8 +138,9 @@ def check_pii(scrub_pii) -> str:
 def check_deduper(deduper_class) -> str:
     from distlab.data.samples import dedup_scores, near_duplicate_set  # noqa: PLC0415  loads datasketch and warcio
 
-    seed = random.randrange(1 << 30)
+    seed = random.Random(lab_seed(10) + 3).randrange(1 << 30)
     docs, truth = near_duplicate_set(n_pairs=120, n_singletons=40, seed=seed, words=200)
+    case_drawn("10.3", pairs=len(truth), singletons=len(docs) - 2 * len(truth))
     deduper = deduper_class()
     flagged = {doc_id for doc_id, text in docs if deduper.is_duplicate(doc_id, text)}
     originals = {original for original, _, _ in truth.values()}
@@ -165,9 +184,10 @@ def check_line_dedup(remove_repeated_lines) -> str:
     from distlab.data.line_dedup import document_frequencies  # noqa: PLC0415  loads datasketch and warcio
     from distlab.data.line_dedup import remove_repeated_lines as reference  # noqa: PLC0415  loads datasketch and warcio
 
-    rng = random.Random()
+    rng = random.Random(lab_seed(10) + 4)
     for case in range(3):
         texts, min_documents = _line_dedup_corpus(rng)
+        case_drawn("10.4", min_documents=min_documents, texts=texts)
         want_texts, want_lines, want_bytes = reference(list(texts), min_documents)
         got = remove_repeated_lines(list(texts), min_documents)
         if not (isinstance(got, tuple) and len(got) == 3):
@@ -214,30 +234,102 @@ def check_token_writer(tokenize_to_bin) -> str:
     from distlab.data.shards import read_shard  # noqa: PLC0415  loads datasketch and warcio
     from distlab.data.shards import tokenize_to_bin as reference  # noqa: PLC0415  loads datasketch and warcio
 
-    rng = random.Random()
+    rng = random.Random(lab_seed(10) + 5)
     docs = [prose(rng, rng.randint(5, 80)) for _ in range(rng.randint(3, 7))]
     docs.insert(rng.randrange(len(docs)), "")
+    docs.insert(rng.randrange(len(docs)), f"A page that quotes {SPECIAL_TEXT} in its own text.")
     docs.append("Unicode: naïve café – 東京 🚀")
+    case_drawn("10.5", docs=docs)
     with tempfile.TemporaryDirectory() as directory:
         want_offsets = reference(docs, Path(directory) / "reference.bin")
         want = read_shard(Path(directory) / "reference.bin")
-        got_offsets = tokenize_to_bin(list(docs), Path(directory) / "student.bin")
         path = Path(directory) / "student.bin"
+        path.write_bytes(b"an older shard")
+        try:
+            with _renames_watched() as renamed:
+                got_offsets = tokenize_to_bin(list(docs), path)
+        except ValueError as error:
+            if "special token" in str(error):
+                raise CheckFailed(f"a document holding the text {SPECIAL_TEXT} made the encoder raise "
+                                  f"({first_line(error)[:80]}): use encode_ordinary, which reads special-token text "
+                                  "in a document as plain text") from None
+            raise
         if not path.exists():
             raise CheckFailed("no file was written at out_path")
         raw = path.read_bytes()
+    got = np.frombuffer(raw[: len(raw) // 2 * 2], dtype="<u2")
+    injected = (f": a document's own text {SPECIAL_TEXT} became the special token {EOT}: use encode_ordinary, not "
+                "encode with allowed_special" if int((got == EOT).sum()) > int((want == EOT).sum()) else "")
     if len(raw) != 2 * len(want):
         raise CheckFailed(f"expected {2 * len(want)} bytes ({len(want)} uint16 tokens for {len(docs)} documents, "
-                          f"each preceded by <|endoftext|> 50256), got {len(raw)} bytes")
-    got = np.frombuffer(raw, dtype="<u2")
+                          f"each preceded by <|endoftext|> 50256), got {len(raw)} bytes{injected}")
     if not np.array_equal(got, want):
         first = int(np.argmax(got != want))
-        raise CheckFailed(f"token {first} differs: expected {int(want[first])}, got {int(got[first])} "
-                          "(GPT-2 encode_ordinary, EOT before each document, uint16 little-endian)")
+        raise CheckFailed(f"token {first} differs: expected {int(want[first])}, got {int(got[first])}"
+                          + (injected or " (GPT-2 encode_ordinary, EOT before each document, uint16 little-endian)"))
     if list(map(int, got_offsets or [])) != want_offsets:
         raise CheckFailed(f"expected document offsets {want_offsets}, got {got_offsets}")
-    return "random documents (empty and Unicode included): byte-identical, offsets right"
+    if os.fspath(path) not in renamed:
+        raise CheckFailed("out_path was written in place: write the shard to a temporary name beside it, then "
+                          "os.replace() it over out_path, so a crash or a reader never sees half a shard")
+    return (f"random documents (empty, Unicode and one quoting {SPECIAL_TEXT} included): byte-identical, offsets "
+            "right, put in place with os.replace")
 
+
+# What a web page may contain that must stay text: GPT-2's end-of-text marker, written out.
+SPECIAL_TEXT = "<|endoftext|>"
+
+
+@contextlib.contextmanager
+def _renames_watched():
+    """While in the block, the destinations of os.replace and os.rename (pathlib's replace and rename, shutil.move
+    use them): how a file is put in place atomically. The real calls run; this only looks."""
+    destinations: set[str] = set()
+    real = {"replace": os.replace, "rename": os.rename}
+
+    def watching(name):
+        def call(src, dst, *args, **kwargs):
+            result = real[name](src, dst, *args, **kwargs)
+            destinations.add(os.fspath(dst))
+            return result
+        return call
+
+    os.replace, os.rename = watching("replace"), watching("rename")
+    try:
+        yield destinations
+    finally:
+        os.replace, os.rename = real["replace"], real["rename"]
+
+
+def _names(cases: list[dict]) -> set[str]:
+    return {c.get("name", "") for c in cases}
+
+
+# The boundaries each exercise's text names (harness.Edge; tests/grading/test_reference_seeds.py checks every seed's
+# cases hold each): every Gopher threshold on both sides, pure punctuation among the whitespace tokens, no words at
+# all; each PII type and its look-alikes; near-copies beside singletons; a banner at and one short of
+# min_documents, a line repeated inside one page, whitespace, blank lines, non-ASCII; an empty document, Unicode and
+# the literal <|endoftext|> in a shard.
+EDGES = {
+    "10.1": [Edge(f"'{name}'", lambda c, name=name: c["name"] == name) for name in (
+        "49 words", "50 words", "10% hashes", "11% hashes", "10% ellipses", "12% ellipses", "90% bullet lines",
+        "95% bullet lines", "30% ellipsis lines", "35% ellipsis lines", "80% alphabetic", "75% alphabetic",
+        "80% alphabetic, dashes", "75% alphabetic, dashes", "one stop word", "no words", "long words",
+        "short words")],
+    "10.2": [Edge(f"'{name}'", lambda c, name=name: c["name"] == name) for name in (
+        "email", "US phone", "phone with its country code", "international phone", "IPv4 ending a sentence", "IPv6",
+        "Luhn-valid card", "Luhn-invalid digits (not a card)", "a DOI (not a card)", "version number (not an IP)",
+        "clock time (not an IPv6)", "year range (not a phone)")],
+    "10.3": [Edge("near-copies beside singletons", lambda c: c["pairs"] > 0 and c["singletons"] > 0)],
+    "10.4": [Edge("min_documents 2, 3 or 4", lambda c: c["min_documents"] in (2, 3, 4)),
+             Edge("a non-ASCII line", lambda c: any(not t.isascii() for t in c["texts"])),
+             Edge("a line with surrounding whitespace", lambda c: any(line != line.strip() and line.strip()
+                                                                        for t in c["texts"] for line in t.split("\n"))),
+             Edge("a blank line", lambda c: any("" in t.split("\n") for t in c["texts"]))],
+    "10.5": [Edge("an empty document", lambda c: "" in c["docs"]),
+             Edge("non-ASCII text", lambda c: any(not d.isascii() for d in c["docs"])),
+             Edge(f"the literal text {SPECIAL_TEXT}", lambda c: any(SPECIAL_TEXT in d for d in c["docs"]))],
+}
 
 EXERCISES = [
     Exercise("10.1", "Gopher quality rules", 3, check_quality,
