@@ -30,7 +30,7 @@ import torch.nn.functional as F
 from distlab.collectives import ring_all_reduce_time
 from distlab.grading import quiz
 from distlab.grading.contract import CheckFailed, first_line
-from distlab.grading.harness import assert_close, is_close, lab_seed, run_on_ranks, with_reference
+from distlab.grading.harness import Edge, assert_close, case_drawn, is_close, lab_seed, run_on_ranks, with_reference
 from distlab.grading.registry import Exercise
 from distlab.memory import MiB
 from distlab.model import Block, GPTConfig
@@ -83,11 +83,11 @@ class Case:
 
 
 def _cases(rng: random.Random, **dims) -> list[Case]:
-    """Two cases: tp=2 (two groups, with biases) and tp=4, with random sizes divisible by 4."""
+    """Two cases: tp=2 (two groups, with biases) and tp=4 (no bias), with random sizes divisible by 4."""
     out = []
     for tp in (2, 4):
         case = Case(tp=tp, seed=rng.randrange(10**6), batch=rng.randint(1, 3), seq_len=4 * rng.randint(1, 3),
-                    d_in=4 * rng.randint(2, 6), d_out=4 * rng.randint(2, 6), bias=tp == 2 or rng.random() < 0.5)
+                    d_in=4 * rng.randint(2, 6), d_out=4 * rng.randint(2, 6), bias=tp == 2)  # with a bias and without
         for key, value in dims.items():
             setattr(case, key, value(rng) if callable(value) else value)
         out.append(case)
@@ -276,6 +276,7 @@ def check_conjugate_functions(f, g) -> str:
     rng = random.Random(_seed() + 1)
     cases = _cases(rng)
     for case in cases:
+        case_drawn("5.1", tp=case.tp, bias=case.bias, d_in=case.d_in, d_out=case.d_out)
         run = _launch(_worker_conjugate, f, g, case)
         shape = (case.batch, case.seq_len, case.d_in)
         nbytes = 4 * case.batch * case.seq_len * case.d_in
@@ -376,6 +377,7 @@ def check_parallel_linears(column_cls, row_cls) -> str:
     rng = random.Random(_seed() + 2)
     cases = _cases(rng)
     for case in cases:
+        case_drawn("5.2", tp=case.tp, bias=case.bias, d_in=case.d_in, d_out=case.d_out)
         run = _launch(_worker_linears, column_cls, row_cls, case)
         dense = _dense_linear(case)
         x = _randn((case.batch, case.seq_len, case.d_in), case.seed, 12)
@@ -466,6 +468,7 @@ def _check_module(module_cls, kind: str, rng: random.Random, what: str, heads, h
     cases = _cases(rng)
     for case in cases:
         n_head = heads(rng, case)
+        case_drawn({"mlp": "5.3", "attn": "5.4"}[kind], tp=case.tp, bias=case.bias, n_head=n_head, d_in=case.d_in)
         run = _launch(_worker_module, module_cls, kind, case, n_head)
         cfg = _module_cfg(case, n_head)
         dense = getattr(_dense_block(cfg, case.seed), kind)
@@ -503,10 +506,11 @@ def check_parallel_mlp(mlp_cls) -> str:
 def check_parallel_attention(qkv_rows_fn, attention_cls) -> str:
     """5.4: ``qkv_rows(d_model, n_head, tp, rank)`` and ``TensorParallelAttention(attn, group)``."""
     rng = random.Random(_seed() + 4)
-    for _ in range(6):
+    for k in range(6):
         tp = rng.choice([2, 4, 8])
-        head_dim, n_head = rng.choice([2, 4, 8]), tp * rng.randint(1, 3)
+        head_dim, n_head = rng.choice([2, 4, 8]), tp * (rng.randint(1, 3) if k else 1)  # the first: a head per rank
         d_model, rank = n_head * head_dim, rng.randrange(tp)
+        case_drawn("5.4", layout=True, tp=tp, n_head=n_head, rank=rank)
         expected = qkv_rows(d_model, n_head, tp, rank)
         got = qkv_rows_fn(d_model, n_head, tp, rank)
         got = torch.as_tensor(got).flatten()
@@ -611,6 +615,7 @@ def check_vocab_parallel(embedding_cls, loss_fn) -> str:
                                 {"all_reduce": (1, 4 * y.numel())})
             for scale in (1.0, 60.0):
                 logits = (scale * _randn((case.batch, case.seq_len, vocab), case.seed, 32)).requires_grad_(True)
+                case_drawn("5.5", tp=case.tp, vocab=vocab, largest=logits.abs().max().item())
                 loss = F.cross_entropy(logits.reshape(-1, vocab), idx.reshape(-1))
                 loss.backward()
                 res = out[f"loss x{scale:g}"]
@@ -683,6 +688,7 @@ def check_sequence_parallel(gather_fn, scatter_fn) -> str:
     rng = random.Random(_seed() + 6)
     cases = _cases(rng)
     for case in cases:
+        case_drawn("5.6", tp=case.tp, bias=case.bias, seq_len=case.seq_len)
         run = _launch(_worker_sequence, gather_fn, scatter_fn, case)
         b, s, h, t = case.batch, case.seq_len, case.d_in, case.tp
         m = 4 * b * s * h
@@ -729,6 +735,24 @@ def check_sequence_parallel(gather_fn, scatter_fn) -> str:
     return ("tp=2 (two groups) and tp=4: all-gather/reduce-scatter pairs exact both ways; a sequence-parallel "
             "LayerNorm + MLP equals the dense one")
 
+
+# The boundaries each exercise's text names (harness.Edge; tests/grading/test_reference_seeds.py checks every seed's
+# cases hold each): "two TP groups of 2 ranks side by side" (global rank 3 is rank 1 of its group) and one of 4; a
+# bias and none (added once, after the sum); 5.4's head count divisible by t with one head per rank and several;
+# 5.5's logits past exp()'s fp32 range (the max over the whole vocabulary matters) and small ones.
+_GROUPS = [Edge("two TP groups of 2 ranks", lambda c: c["tp"] == 2), Edge("one TP group of 4", lambda c: c["tp"] == 4)]
+_BIAS = [Edge("a bias", lambda c: c["bias"]), Edge("no bias", lambda c: not c["bias"])]
+EDGES = {
+    "5.1": _GROUPS,
+    "5.2": [*_GROUPS, *_BIAS],
+    "5.3": [*_GROUPS, *_BIAS],
+    "5.4": [*_GROUPS, Edge("one head per rank", lambda c: c.get("layout") and c["n_head"] == c["tp"]),
+            Edge("several heads per rank", lambda c: c.get("layout") and c["n_head"] > c["tp"]),
+            Edge("8 ranks of heads", lambda c: c.get("layout") and c["tp"] == 8)],
+    "5.5": [*_GROUPS, Edge("logits past exp()'s fp32 range", lambda c: c["largest"] > EXP_OVERFLOWS_FP32_ABOVE),
+            Edge("logits well inside it", lambda c: c["largest"] < 20)],
+    "5.6": _GROUPS,
+}
 
 EXERCISES = [
     Exercise("5.1", "f and g: the conjugate all-reduce functions", 2, check_conjugate_functions,

@@ -28,6 +28,8 @@ from distlab.grading import quiz
 from distlab.grading.contract import CheckFailed, first_line
 from distlab.grading.harness import (
     ATOL,
+    Edge,
+    case_drawn,
     is_close,
     lab_seed,
     max_difference,
@@ -91,6 +93,7 @@ def check_router(route_fn) -> str:
         w_ref = (torch.randn(E, d, generator=g) / math.sqrt(d)).requires_grad_(True)
         bias = torch.randn(E, generator=g) * 0.2 if with_bias else None
         where = f"T={T} tokens, E={E} experts, k={k}" + (", with a selection bias" if with_bias else "")
+        case_drawn("8.1", k=k, bias=with_bias, experts=E)
         expected = route(x, w_ref, k, bias)
         w = w_ref.detach().clone().requires_grad_(True)
         got = _as_routing(route_fn(x, w, k, bias) if with_bias else route_fn(x, w, k), where)
@@ -169,6 +172,7 @@ def check_capacity(capacity_fn, assign_fn) -> str:
     formula_cases = [(64, 8, 2, 1.25), (10, 8, 1, 1.25), (4096, 64, 2, 1.25), (100, 6, 2, 1.0), (37, 5, 3, 1.5),
                      (rng.randint(10, 500), rng.choice([4, 8, 16]), rng.randint(1, 4), rng.choice([1.0, 1.5, 2.0]))]
     for tokens, E, k, cf in formula_cases:
+        case_drawn("8.2", tokens=tokens, experts=E, k=k, cf=cf)
         expected = expert_capacity(tokens, E, k, cf)
         got = capacity_fn(tokens, E, k, cf)
         if isinstance(got, bool) or not isinstance(got, numbers.Integral) and not (
@@ -234,12 +238,13 @@ def check_balancing_losses(balance_fn, z_loss_fn) -> str:
     """8.3: ``load_balancing_loss(probs, experts, E)`` and ``router_z_loss(logits)``."""
     rng = random.Random(_seed() + 3)
     for i in range(4):
-        T, E, k = rng.randint(16, 64), rng.choice([4, 8, 16]), rng.choice([1, 2, 3])
+        T, E, k = rng.randint(16, 64), rng.choice([4, 8, 16]), rng.choice([1, 2, 3]) if i else 1  # top-1 first
         g = _generator(_seed() + 30 + i)
         logits_ref = (torch.randn(T, E, generator=g) * 2).requires_grad_(True)
         logits = logits_ref.detach().clone().requires_grad_(True)
         experts = logits_ref.detach().topk(k, dim=-1).indices
         where = f"T={T}, E={E}, k={k}"
+        case_drawn("8.3", k=k, experts=E)
         expected = load_balancing_loss(torch.softmax(logits_ref, -1), experts, E)
         got = balance_fn(torch.softmax(logits, -1), experts, E)
         if not isinstance(got, torch.Tensor) or got.numel() != 1:
@@ -311,6 +316,7 @@ def check_bias_update(update_fn) -> str:
         load[1] += (E - 1 - int(load[1:].sum()) % (E - 1)) % (E - 1)
         load[0] = int(load[1:].sum()) // (E - 1)  # exactly the mean load: sign 0, no step
         rate = rng.choice([1e-3, 2e-3, 1e-2])
+        case_drawn("8.4", at_mean=int(load[0]) * len(load) == int(load.sum()), experts=E)
         expected = update_expert_bias(bias, load, rate)
         got = update_fn(bias.clone(), load.clone(), rate)
         if not isinstance(got, torch.Tensor) or got.shape != bias.shape:
@@ -368,6 +374,7 @@ def check_moe_layer(moe_fn) -> str:
     for i, (T, d, E, k, cf, shared) in enumerate(cases):
         x, w, experts, shared_expert = _layer_case(i, T, d, E, shared)
         where = (f"T={T}, d={d}, E={E}, k={k}, capacity_factor={cf}" + (", shared expert" if shared else ""))
+        case_drawn("8.5", k=k, cf=cf, shared=shared)
         x_ref, w_ref = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
         ref_experts, ref_shared = _layer_case(i, T, d, E, shared)[2:]
         expected, result = moe_forward(x_ref, w_ref, ref_experts, k, cf, ref_shared)
@@ -570,6 +577,8 @@ def check_expert_parallel(ep_fn) -> str:
              EPCase(4, 4, 1, [16, 12, 20, 8], all_to_one=True, seed=_seed() + 83),
              EPCase(4, 8, 3, [14, 1, 22, 17], capacity_factor=1.25, seed=_seed() + 84)]
     for case in cases:
+        case_drawn("8.6", world=case.world_size, k=case.k, cf=case.capacity_factor, all_to_one=case.all_to_one,
+                   tokens=case.tokens)
         try:
             run = run_on_ranks(_ep_worker, case.world_size, ep_fn, case, what=f"your expert-parallel layer ({case})",
                                advice="Every rank must make the same all-to-all calls in the same order — also a "
@@ -591,6 +600,26 @@ def check_expert_parallel(ep_fn) -> str:
 _NUMBERS_NOT_IN_TITLE = "its title names none of its numbers (the chapter's text does), so it could not show a " \
     "student other ones"
 _DSV3_DISPATCH_MB = all_to_all_bytes(4096, DEEPSEEK_V3.k, DEEPSEEK_V3.d_model, 64)["payload_per_all_to_all"] / 1e6
+
+# The boundaries each exercise's text names (harness.Edge; tests/grading/test_reference_seeds.py checks every seed's
+# cases hold each): top-1 (gate 1) and top-k, with and without a selection bias; capacities exact and rounded up,
+# capacity factors 1 and above; a load exactly at the mean (sign 0: no step); no capacity limit, a limit, a shared
+# expert; expert parallelism on 2 and 4 ranks, uneven tokens, drops, a rank that receives nothing.
+EDGES = {
+    "8.1": [Edge("top-1", lambda c: c["k"] == 1), Edge("top-k, k > 1", lambda c: c["k"] > 1),
+            Edge("a selection bias", lambda c: c["bias"]), Edge("no bias", lambda c: not c["bias"])],
+    "8.2": [Edge("capacity rounded up", lambda c: c["cf"] * c["tokens"] * c["k"] % c["experts"] != 0),
+            Edge("capacity exact", lambda c: c["cf"] * c["tokens"] * c["k"] % c["experts"] == 0),
+            Edge("capacity factor 1.0", lambda c: c["cf"] == 1.0), Edge("k = 1", lambda c: c["k"] == 1)],
+    "8.3": [Edge("top-1", lambda c: c["k"] == 1), Edge("top-k, k > 1", lambda c: c["k"] > 1)],
+    "8.4": [Edge("a load exactly at the mean", lambda c: c["at_mean"])],
+    "8.5": [Edge("no capacity limit", lambda c: c["cf"] is None), Edge("a capacity limit", lambda c: c["cf"]),
+            Edge("a shared expert", lambda c: c["shared"]), Edge("top-1", lambda c: c["k"] == 1)],
+    "8.6": [Edge("2 ranks", lambda c: c["world"] == 2), Edge("4 ranks", lambda c: c["world"] == 4),
+            Edge("a rank that receives nothing", lambda c: c["all_to_one"]),
+            Edge("capacity drops", lambda c: c["cf"] is not None),
+            Edge("uneven tokens per rank", lambda c: len(set(c["tokens"])) > 1)],
+}
 
 EXERCISES = [
     Exercise("8.1", "router: softmax, top-k, gates", 2, check_router,

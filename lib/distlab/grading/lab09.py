@@ -40,7 +40,7 @@ from distlab.fp8.matmul import MULTIPLE, emulated_scaled_mm, scaled_mm_support
 from distlab.fp8.scaling import DelayedScaling, dequantize, expand_scale, quantize
 from distlab.fp8.training import final_loss, train_recipe
 from distlab.grading.contract import CheckFailed, first_line
-from distlab.grading.harness import lab_seed
+from distlab.grading.harness import Edge, case_drawn, lab_seed
 from distlab.grading.quiz import choice, number
 from distlab.grading.registry import Exercise
 from distlab.model import GPTConfig
@@ -113,6 +113,7 @@ def check_codes(decode_fn, encode_fn) -> str:
                                   f"{bits(code, fmt)}, the code whose value it is: "
                                   f"{_encode_hint(value, fmt, got, code)}")
         cases = _value_cases(fmt, rng)
+        case_drawn("9.1", fmt=fmt.name, whats={what for _, what in cases})
         for value, what in cases:
             expected = encode(value, fmt)
             in_range = abs(value) <= fmt.max
@@ -188,8 +189,14 @@ def check_loss_scaler(scaler_class) -> str:
     """9.2: a class with ``scale``, ``step``, ``update``, ``get_scale`` that behaves like ``torch.amp.GradScaler``."""
     rng = random.Random(_seed() + 2)
     cases = [_scaler_case(rng) for _ in range(4)]
+    first_bad = sorted(cases[0]["bad"])  # whatever the draw: a NaN and an inf, and growth after two clean steps
+    cases[0]["poison"][first_bad[0]], cases[0]["poison"][first_bad[1]] = math.nan, math.inf
+    cases[0]["growth_interval"] = 2
     for case in cases:
         knobs = {k: case[k] for k in ("init_scale", "growth_factor", "backoff_factor", "growth_interval")}
+        case_drawn("9.2", poison={str(case["poison"][s]) for s in case["bad"]}, clean_run=max(
+            len(run) for run in "".join("b" if s in case["bad"] else "." for s in range(case["steps"])).split("b")),
+                   interval=case["growth_interval"])
         where = ", ".join(f"{k}={v:g}" for k, v in knobs.items())
         ours = _scaler_run(scaler_class(**knobs), case)
         ref = _scaler_run(torch.amp.GradScaler("cpu", **knobs), case)
@@ -253,6 +260,7 @@ def check_scaling(quantize_fn, delayed_class) -> str:
         for block, name in ((None, "per-tensor"), ((1, cols), "per-row"), ((1, 128), "1×128 tiles"),
                             ((128, 128), "128×128 blocks")):
             for fmt in (FORMATS["e4m3"], FORMATS["e5m2"]):
+                case_drawn("9.3", block=name, fmt=fmt.name, zero_tile=bool((x[:1, :128] == 0).all()))
                 _compare_quantized(quantize_fn(x, fmt, block), quantize(x, fmt, block), x, fmt,
                                    f"{name} {fmt.name.upper()} of a {rows}×{cols} tensor", block=block)
                 count += 1
@@ -270,6 +278,7 @@ def check_scaling(quantize_fn, delayed_class) -> str:
         x = torch.randn(64, 128, generator=generator) * (1 + step / 4)
         if step in (5, 9):
             x[3, 7] = 400.0  # a spike the history has not seen
+        case_drawn("9.3", delayed="e4m3", spike=bool(x.abs().max() > 100))
         got, want = scaler.quantize(x), reference.quantize(x)
         _compare_quantized(got, want, x, FORMATS["e4m3"], f"delayed scaling (history={history}), step {step}",
                            delayed=True, first=step == 0)
@@ -392,6 +401,7 @@ def check_fp8_matmul(emulated_fn, native_fn, auto_fn) -> str:
         for rowwise in (False, True):
             for dtype_b in (torch.float8_e4m3fn, torch.float8_e5m2):
                 a, b, sa, sb = _matmul_case(rng, generator, m, k, n, rowwise, dtype_b)
+                case_drawn("9.4", rowwise=rowwise, e5m2=dtype_b == torch.float8_e5m2)
                 where = (f"{'row-wise' if rowwise else 'tensor-wise'} {m}×{k} @ {k}×{n} "
                          f"(E4M3 × {'E5M2' if dtype_b == torch.float8_e5m2 else 'E4M3'})")
                 expected = emulated_scaled_mm(a, b, sa, sb, torch.float32)
@@ -405,6 +415,7 @@ def check_fp8_matmul(emulated_fn, native_fn, auto_fn) -> str:
                     _compare_matmul(got, expected, a, b, sa, sb, f"native, {where}")
     for m, k, n in ((17, 40, 24), (32, 48, 24), (32, 40, 32)):  # K and N, N alone, K alone off the multiple
         a, b, sa, sb = _matmul_case(rng, generator, m, k, n, False)
+        case_drawn("9.4", auto=True, k_off=k % MULTIPLE != 0, n_off=n % MULTIPLE != 0)
         out, path = auto_fn(a, b, sa, sb, torch.bfloat16)
         if path != "emulated":
             off = [f"{name} = {size}" for name, size in (("K", k), ("N", n)) if size % MULTIPLE]
@@ -474,11 +485,12 @@ def check_float8_linear(student_class) -> str:
     rng = random.Random(_seed() + 5)
     generator = torch.Generator().manual_seed(_seed() + 5)
     shapes = []
-    for _ in range(4):  # in ≠ out features: a square layer would hide a transposed weight gradient
+    for i in range(4):  # in ≠ out features: a square layer would hide a transposed weight gradient
         k = 16 * rng.randint(1, 6)
         shapes.append((16 * rng.randint(2, 8), k, 16 * rng.choice([i for i in range(1, 7) if 16 * i != k]),
-                       rng.random() < 0.5))
+                       rng.random() < 0.5 if i > 1 else i == 0))  # a layer with a bias and one without, always
     for m, k, n, bias in shapes:
+        case_drawn("9.5", bias=bias, square=k == n)
         mine, ref = _linear_pair(student_class, k, n, generator, bias)
         where = f"{m}×{k} input, {k}→{n} layer{' with bias' if bias else ''}"
         if mine.weight.dtype != torch.float32:
@@ -566,6 +578,30 @@ def _train_gpt(student_class) -> str:
 # ---------------------------------------------------------------- the lab's exercises and quiz
 
 _H100_RATIO = PEAK_FLOPS["H100 SXM fp8"] / PEAK_FLOPS["H100 SXM bf16"]
+
+# The boundaries each exercise's text names (harness.Edge; tests/grading/test_reference_seeds.py checks every seed's
+# cases hold each): exact ties between codes, subnormals and half the smallest one, -0.0, just above max, inf and NaN
+# in both formats; inf and NaN gradients and growth after growth_interval clean steps; an all-zero tile, every
+# block shape in both formats, a spike the history has not seen; row-wise and tensor-wise, E5M2 operands, K and N
+# off the multiple of 16; a layer with a bias and one without, never square.
+_WHATS = ("an exact tie between two codes", "half the smallest subnormal (a tie with 0)", "-0.0", "just above max",
+          "+inf", "-inf")
+EDGES = {
+    "9.1": [Edge(f"{fmt}: {what}", lambda c, fmt=fmt, what=what: c["fmt"] == fmt and what in c["whats"])
+            for fmt in ("e4m3", "e5m2") for what in _WHATS],
+    "9.2": [Edge("an inf gradient", lambda c: any("inf" in p for p in c["poison"])),
+            Edge("a NaN gradient", lambda c: "nan" in c["poison"]),
+            Edge("growth_interval clean steps in a row", lambda c: c["clean_run"] >= c["interval"])],
+    "9.3": [*(Edge(f"{name} blocks", lambda c, name=name: c.get("block") == name)
+              for name in ("per-tensor", "per-row", "1×128 tiles", "128×128 blocks")),
+            Edge("an all-zero tile", lambda c: c.get("zero_tile")), Edge("E5M2", lambda c: c.get("fmt") == "e5m2"),
+            Edge("a spike the history has not seen", lambda c: c.get("spike"))],
+    "9.4": [Edge("row-wise scales", lambda c: c.get("rowwise")), Edge("an E5M2 operand", lambda c: c.get("e5m2")),
+            Edge("K off the multiple of 16", lambda c: c.get("k_off")),
+            Edge("N off the multiple of 16", lambda c: c.get("n_off"))],
+    "9.5": [Edge("a bias", lambda c: c["bias"]), Edge("no bias", lambda c: not c["bias"]),
+            Edge("in ≠ out features", lambda c: not c["square"])],
+}
 
 EXERCISES = [
     Exercise("9.1", "encode and decode E4M3 and E5M2 by hand", 3, check_codes,

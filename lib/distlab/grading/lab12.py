@@ -34,7 +34,7 @@ from distlab.fault_tolerance.guards import SpikeGuard, guarded_train
 from distlab.fault_tolerance.resume import resumable_train, run_with_restarts
 from distlab.grading import quiz
 from distlab.grading.contract import CheckFailed
-from distlab.grading.harness import JOB_TIMEOUT, lab_seed, max_difference
+from distlab.grading.harness import JOB_TIMEOUT, Edge, case_drawn, lab_seed, max_difference
 from distlab.grading.registry import Exercise
 from distlab.model import GPT, GPTConfig
 from distlab.runtime.launch import Ranks
@@ -176,6 +176,7 @@ def check_resumable_training(train_resumable) -> str:
     """12.1: ``train_resumable(ckpt_dir, steps, save_every, *, attempt, fault, **setup)`` → ``{step: loss}``."""
     cases = _resume_cases(random.Random(_seed() + 1))
     for case in cases:
+        case_drawn("12.1", where=case["fault"].where, wraps=case["setup"]["n_items"] % case["setup"]["batch_size"] != 0)
         _resume_case(train_resumable, case)
     return (f"{len(cases)} killed runs ({'; '.join(_describe_case(c) for c in cases)}): each resumed from the "
             f"last complete checkpoint and matched the uninterrupted run bit for bit")
@@ -235,6 +236,7 @@ def check_sdc_detector(detect_sdc) -> str:
     """12.2: ``detect_sdc(model)`` on every rank → ``{rank: [parameter names]}`` of corrupted replicas."""
     cases = _sdc_cases(random.Random(_seed() + 2))
     for case in cases:
+        case_drawn("12.2", kind=case["kind"], bits={f[3] for f in case["flips"]}, ranks={f[0] for f in case["flips"]})
         expected: dict[int, list[str]] = {}
         for rank, name, _, _ in case["flips"]:
             expected.setdefault(rank, []).append(name)
@@ -316,6 +318,7 @@ def _guard_hint(expected: str, got: str, loss: float, grad: float, reason: str) 
 def _check_sequences(guard_class, rng: random.Random) -> int:
     for index, (params, sequence) in enumerate(_guard_sequences(rng)):
         mine, reference = guard_class(**params), SpikeGuard(**params)
+        case_drawn("12.3", sequence=index)
         for step, (loss, grad) in enumerate(sequence):
             expected, got = reference.decide(loss, grad), mine.decide(loss, grad)
             if got != expected:
@@ -371,6 +374,7 @@ def check_checkpoint_cadence(job_mtbf, optimal_interval) -> str:
     """12.4: ``job_mtbf(n_gpus)`` in hours from Llama 3's rate, and Young's ``optimal_interval(δ, M)``."""
     rng = random.Random(_seed() + 4)
     for n_gpus in [16_384, 1024, 8] + [rng.choice([2**k for k in range(3, 16)]) for _ in range(3)]:
+        case_drawn("12.4", n_gpus=n_gpus)
         got, want = float(job_mtbf(n_gpus)), job_mtbf_hours(n_gpus)
         if not math.isclose(got, want, rel_tol=1e-6):
             hint = ""
@@ -393,6 +397,23 @@ def check_checkpoint_cadence(job_mtbf, optimal_interval) -> str:
 
 
 # ---------------------------------------------------------------- quiz
+
+# The boundaries each exercise's text names (harness.Edge; tests/grading/test_reference_seeds.py checks every seed's
+# cases hold each): a rank killed mid-step and one killed while saving (the newest checkpoint half-written), data that
+# wraps around an epoch; a last-bit flip, two corrupted replicas one of them rank 0, a clean run; every guard
+# sequence (a NaN during warm-up, patience running out, a long bad stretch); Llama 3's own 16,384 GPUs and a few.
+EDGES = {
+    "12.1": [Edge("killed mid-step", lambda c: c["where"] == "train"),
+             Edge("killed while saving", lambda c: c["where"] == "save"),
+             Edge("an epoch that wraps", lambda c: c["wraps"])],
+    "12.2": [Edge("a last-bit flip", lambda c: 0 in c["bits"]),
+             Edge("two corrupted replicas, one of them rank 0",
+                  lambda c: c["kind"] == "two replicas" and 0 in c["ranks"]),
+             Edge("a clean run", lambda c: c["kind"] == "clean")],
+    "12.3": [Edge(f"guard sequence {k + 1}", lambda c, k=k: c["sequence"] == k) for k in range(4)],
+    "12.4": [Edge("16,384 GPUs (Llama 3's own)", lambda c: c["n_gpus"] == 16_384),
+             Edge("8 GPUs", lambda c: c["n_gpus"] == 8)],
+}
 
 EXERCISES = [
     Exercise("12.1", "resumable training: exact resume after a killed rank", 4, check_resumable_training,
