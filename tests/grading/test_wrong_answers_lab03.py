@@ -108,22 +108,22 @@ def allreduce_buckets_sum(buckets):
 # ---------------------------------------------------------------- 3.3 overlap
 
 class SynchronousInTheHook(D.OverlappedDDP):
-    """Issue 46 item 23: all-reduces each full bucket from the hook, synchronously: right gradients, no overlap."""
+    """Issue 46 item 23: all-reduces each full bucket from the hook, synchronously: right gradients, no overlap.
+    (The library's launch, with its all_reduce called without async_op and a finished handle kept.)"""
 
     @torch.no_grad()
     def _launch_ready(self, flush=False):
-        while self._next < len(self.buckets):
-            bucket, ready = self.buckets[self._next], self._ready[self._next]
-            if len(ready) < len(bucket.params):
-                if not flush:
-                    return
-                for j in range(len(bucket.params)):
-                    if j not in ready:
-                        bucket.load_grad(j)
-            bucket.buffer.div_(self.world_size)
-            dist.all_reduce(bucket.buffer)
-            self._works.append(_Done())
-            self._next += 1
+        launch = dist.all_reduce
+
+        def synchronous(tensor, *args, async_op=False, **kwargs):
+            launch(tensor, *args, **kwargs)
+            return _Done()
+
+        dist.all_reduce = synchronous
+        try:
+            super()._launch_ready(flush)
+        finally:
+            dist.all_reduce = launch
 
 
 class _Done:
