@@ -3,8 +3,9 @@ the self-study one (``distlab grade`` draws a fresh one per run), and under that
 edge its exercise's text names (each lab's ``EDGES``, :class:`distlab.grading.harness.Edge`).
 
 Each exercise gets its own seed from a fixed spread, so one run of the suite grades the course on as many seeds as it
-has exercises; ``benchmarks/bench_reference_seeds.py`` grades every exercise on 50 more. One test per lab, which
-ends its ranks when it is done (a lab's warm groups are no use to the next)."""
+has exercises; ``benchmarks/bench_reference_seeds.py`` grades every exercise on 50 more. One test per lab, each an
+xdist group of its own (``make test`` spreads them over its workers), which ends its ranks when it is done (a lab's
+warm groups are no use to the next)."""
 
 import random
 
@@ -41,7 +42,9 @@ def test_every_exercise_of_these_labs_lists_its_edges():
     assert not missing, f"exercises with no EDGES (the boundaries their text names): {missing}"
 
 
-@pytest.mark.parametrize("lab", LABS, ids=[f"lab{lab:02d}" for lab in LABS])
+@pytest.mark.parametrize("lab", [pytest.param(lab, id=f"lab{lab:02d}",  # each lab may run on its own worker
+                                               marks=pytest.mark.xdist_group(f"reference_seeds_lab{lab:02d}"))
+                                  for lab in LABS])
 def test_each_reference_passes_under_another_seed_and_its_cases_cover_its_edges(lab, monkeypatch):
     source = lab_source(lab)
     namespace, _ = reference_namespace(source)
