@@ -99,6 +99,11 @@ def test_classify_reads_where_to_look_from_the_message():
                               "line 5: x.item()); the usual slip: .item() needs one element") == "specific"
     assert classify("failed", "the 2 ranks together sent 5460 bytes; a ring sends each chunk N-1 times per phase, "
                               "3640 bytes in all (world size 2, 455 float32 elements)") == "specific"
+    assert classify("failed", "your ring deadlocked on 3 ranks: no rank is sending (timed out after 8 s). Hint: each "
+                              "rank must send to (rank + 1) % N") == "specific"
+    assert classify("failed", "job_mtbf(16384) = 3.15 h, expected 3.093 h") == "vague"
+    assert classify("failed", "raised RankFailed: ranks 0, 1 raised UnboundLocalError: cannot access local variable "
+                              "'n' where it is not associated with a value") == "specific"  # a slip, read anew
 
 
 def test_killed_surviving_and_hanging_mutants_of_a_real_checker():

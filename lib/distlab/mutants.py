@@ -446,14 +446,22 @@ def keys_of(mutants: list[Mutant]) -> list[str]:
 _NUMBER = re.compile(r"[-+]?(?:\d[\d,_]*\.?\d*(?:e[-+]?\d+)?|\.\d+(?:e[-+]?\d+)?)", re.IGNORECASE)
 
 
+# Words that make a clause advice rather than a report of numbers: what to do, or what went wrong.
+_ADVICE = frozenset("""use return call pass divide multiply add skip wait launch keep check broadcast write take look
+count put send receive compute split remove reduce subtract scale cut zero must instead forgot forget missing never
+file follow walk close collapse strip join encode round exchange load store flush fold shift clamp apply give make
+start order lost twice swapped wrong sign overflows rounds forwards""".split())
+
+
 def classify(status: str, detail: str) -> str:
     """``specific``, ``vague`` or ``survived`` for a check's outcome on a mutant.
 
-    A failure names where to look when, after the last number it shows, it says something (at least two words
-    of advice: "…, expected 0.5): divide by the world size"; "…; use dist.get_rank()"), or, for an error raised
-    by the student's code,
-    when it names the slip (:func:`distlab.grading.contract.slip_of`). Only numbers ("expected 16 bytes/param, got
-    8"), or an exception's type, text and line, is vague."""
+    A failure names where to look when it says more than numbers: after the last number it shows, at least two
+    words ("…, expected 0.5): divide by the world size"; "…; use dist.get_rank()"), or a clause after the first (cut
+    at ":" and ";") of three words or more with a word of advice in it (:data:`_ADVICE`: "Hint: each rank must send
+    to (rank + 1) % N"); for an error raised by the student's code, when the slip is named
+    (:func:`distlab.grading.contract.slip_of`). Only numbers ("expected 16 bytes/param, got 8"), or an exception's
+    type, text and line, is vague. A heuristic, checked on examples in tests/test_mutants.py."""
     if status == "passed":
         return "survived"
     if status != "failed":
@@ -464,8 +472,13 @@ def classify(status: str, detail: str) -> str:
         detail = detail[:trailing.start()]  # the case, named in parentheses at the end, is no advice
     numbers = list(_NUMBER.finditer(detail))
     tail = detail[numbers[-1].end():] if numbers else detail
-    words = re.findall(r"[A-Za-z_][A-Za-z_.()']+", tail)
-    return "specific" if len(words) >= 2 else "vague"
+    if len(re.findall(r"[A-Za-z_][A-Za-z_.()']+", tail)) >= 2:
+        return "specific"
+    for clause in re.split(r"[:;]\s", detail)[1:]:
+        words = [w.lower() for w in re.findall(r"[A-Za-z][A-Za-z']+", clause)]
+        if len(words) >= 3 and _ADVICE & set(words):
+            return "specific"
+    return "vague"
 
 
 # ---------------------------------------------------------------- running: one warm process per lab, a fork each

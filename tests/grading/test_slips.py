@@ -58,7 +58,16 @@ HERE = {
     "dim-out-of-range": lambda: torch.ones(2).sum(dim=1),
     "index-past-the-end": lambda: torch.ones(4)[4],
     "view-of-a-strided-tensor": lambda: torch.ones(4, 4).t().view(16),
+    "size-of-another-shape": lambda: torch.ones(9).view(4, 2),
+    "negative-size": lambda: torch.zeros(-(5 // 2)),
+    "used-before-assigned": lambda: _use_before_assigning(),
 }
+
+
+def _use_before_assigning():
+    total += 1  # noqa: F821  the slip itself: total is assigned below, after this line
+    total = 0
+    return total
 
 
 # Slips only a process group shows, raised on two real ranks.
@@ -71,12 +80,21 @@ def _use_what_all_reduce_returned():
     return total / dist.get_world_size()
 
 
+def _partner_past_the_last_rank():
+    """Lab 02's checker names a partner outside 0..N-1 (gloo would crash the rank or wait forever)."""
+    from distlab.grading.lab02 import _peers_checked  # noqa: PLC0415  in the rank, as the checker runs it
+
+    with _peers_checked():
+        dist.send(torch.ones(1), dist.get_rank() + dist.get_world_size())
+
+
 def _send_to_myself():
     dist.send(torch.ones(1), dist.get_rank())  # a ring's neighbour computed as the rank itself
 
 
 ON_RANKS = {"collective-buffer-size": _gather_into_a_short_buffer,
-            "collective-returns-none": _use_what_all_reduce_returned, "peer-is-this-rank": _send_to_myself}
+            "collective-returns-none": _use_what_all_reduce_returned, "peer-is-this-rank": _send_to_myself,
+            "peer-outside-the-group": _partner_past_the_last_rank}
 
 
 def test_every_slip_has_an_example_here():

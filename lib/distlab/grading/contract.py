@@ -143,7 +143,7 @@ SLIPS = [
          "tensors of different sizes meet: a shard beside a whole tensor, or chunks of unequal size where the size "
          "does not divide by the world (split every side the same way)"),
     Slip("float-size", r"slice indices must be integers|'float' object cannot be interpreted as an integer|"
-         r"must be tuple of ints, not float|must be int, not float",
+         r"must be tuple of ints, not float|must be int, not float|for \^: 'int' and 'float'|for \^: 'float'",
          "a size or an index came out a float: / always gives a float; use // (integer division) for sizes and "
          "indices"),
     Slip("item-of-many", r"elements cannot be converted to Scalar|only one element tensors can be converted",
@@ -163,6 +163,9 @@ SLIPS = [
          r"not be the same",
          "a send or receive with this rank itself as the peer: a ring's neighbours are (rank + 1) % N and "
          "(rank - 1) % N, never the rank itself"),
+    Slip("peer-outside-the-group", r"there is no such rank|Invalid (destination|source) rank",
+         "a send or receive with a rank that does not exist: partners must lie in 0..N-1 (take them modulo N, or "
+         "check that an extra rank's partner is there)"),
     Slip("outside-the-ranks", r"Default process group has not been initialized",
          "torch.distributed is used outside the ranks: call it inside the function the ranks run"),
     Slip("devices-mixed", r"to be on the same device|to be in the same device|is not on the expected device",
@@ -175,6 +178,14 @@ SLIPS = [
     Slip("index-past-the-end", r"index -?\d+ is out of bounds for dimension|list index out of range",
          "an index past the end: the global rank where the rank in the group is meant (dist.get_rank(group)), or "
          "a loop one step too long"),
+    Slip("size-of-another-shape", r"shape '\[[\d, ]*\]' is invalid for input of size",
+         "a .view()/.reshape() to a shape of another number of elements: count what was padded or cut off (the "
+         "last chunk may be shorter)"),
+    Slip("negative-size", r"must be non-negative|invalid shape dimension -\d",
+         "a size came out negative: check the size arithmetic (a ceiling division is -(-a // b))"),
+    Slip("used-before-assigned", r"cannot access local variable '\w+' where it is not associated with a value|"
+         r"referenced before assignment",
+         "a name is read before the line that assigns it runs: check the order of your statements"),
     Slip("view-of-a-strided-tensor", r"view size is not compatible with input tensor's size and stride",
          ".view() needs contiguous memory (a transpose or a slice is not): use .reshape(), or .contiguous().view()"),
 ]

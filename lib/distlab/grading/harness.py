@@ -202,8 +202,8 @@ def launch_failures_fail_the_check(what: str, world_size: int, advice: str = "",
         advice = advice or (f"Hint: {hint}" if hint else "")
         raise CheckFailed(f"{what} {how} on {world_size} ranks: {first_line(error)} {advice}".rstrip()) from None
     except LaunchTimeout:
-        raise CheckFailed(f"{what} did not finish within {timeout:g} s on {world_size} ranks "
-                          "(an endless loop?)") from None
+        raise CheckFailed(f"{what} did not finish within {timeout:g} s on {world_size} ranks: look for an endless "
+                          "loop, or a rank waiting for a message no other rank sends") from None
 
 
 def run_on_ranks(worker, world_size: int, *args, what: str, advice: str = "", kwargs: dict | None = None,

@@ -47,7 +47,7 @@ def _world_sizes(rng: random.Random, k: int) -> list[int]:
 
 
 # What each ZeRO stage shards, and its per-rank count of the 2 + 2 + 12 bytes.
-_SHARDS = {0: "stage 0 (DDP) shards nothing: every rank keeps all 16 bytes",
+_SHARDS = {0: "stage 0 (DDP) shards nothing: every rank keeps all 16 bytes of each parameter",
            1: "stage 1 shards the 12 bytes of optimizer state over the N ranks",
            2: "stage 2 shards the optimizer state and the 2 bytes of gradients over the N ranks",
            3: "stage 3 shards all 16 bytes over the N ranks, the parameters too"}

@@ -12,6 +12,7 @@ most ceil(log2 N) messages per rank (the ring sends 2(N-1)).
 
 from __future__ import annotations
 
+import contextlib
 import math
 import random
 
@@ -65,13 +66,43 @@ def _cases(rng: random.Random, n: int) -> list[tuple[tuple[int, ...], torch.dtyp
     return cases[:1] if n == 8 else cases
 
 
+# Point-to-point ops and the name of their peer argument.
+_PEER = {"send": "dst", "isend": "dst", "recv": "src", "irecv": "src"}
+
+
+@contextlib.contextmanager
+def _peers_checked():
+    """While in the block, a send or receive with a rank outside 0..N-1 raises a ValueError that names it, instead
+    of what gloo does with it (a crash of the rank, or a wait that never ends). The real ops run otherwise."""
+    n = dist.get_world_size()
+    real = {op: getattr(dist, op) for op in _PEER}
+
+    def checked(op):
+        def call(tensor, *args, **kwargs):
+            peer = args[0] if args else kwargs.get(_PEER[op])
+            if isinstance(peer, int) and not 0 <= peer < n:
+                raise ValueError(f"{op} {'to' if _PEER[op] == 'dst' else 'from'} rank {peer}: there is no such rank "
+                                 f"(the ranks are 0-{n - 1})")
+            return real[op](tensor, *args, **kwargs)
+        return call
+
+    for op in _PEER:
+        setattr(dist, op, checked(op))
+    try:
+        yield
+    finally:
+        for op, function in real.items():
+            setattr(dist, op, function)
+
+
 def _run_student(student_fn, x):
     """Call ``student_fn(x)``; return (its value, calls per canonical op, bytes sent with send/isend, and each
     point-to-point op it made as (op, start, end, peer), end NaN for a request nobody waited on)."""
     log = comm.current_log()
     first = len(log.events)
     before = comm.snapshot()
-    value = student_fn(x)
+    with _peers_checked():
+        value = student_fn(x)
     traffic = comm.since(before)
     p2p = [(op, start, end, peer) for (op, _, start, end), (peer, _) in zip(log.events[first:], log.peers[first:])
            if op in comm.P2P_OPS]
@@ -276,7 +307,7 @@ def _misplaced_entry(src: int, got, expected: list[torch.Tensor]) -> str:
                     f"piece under the rank it started from, not under the step it arrived in")
     if isinstance(got, torch.Tensor) and got.shape == expected[src].shape and _unwritten(got, expected[src]).any():
         return (f"entry {src} holds values no rank sent (what torch.empty left there): it was never received into, "
-                f"or read before its wait() returned; in step s each rank forwards the piece it received in step s-1")
+                f"or was read before its wait() returned: each step forwards the piece received the step before")
     return ""
 
 
