@@ -247,6 +247,9 @@ EDGES = {
 
 # Mutants of the reference that compute the same thing (distlab notebooks mutants), each with why.
 EQUIVALENT_MUTANTS = {
+    "1.4 statements-swapped: `states = preset.n_params * bytes_per_param(zero_stage, world_size) ac…` → "
+    "`acts = activation_bytes(preset.seq_len, micro_batch, preset.d_model, …`":
+        "two independent assignments in the other order",
     "1.1 statements-swapped: `params = 2 / n if zero_stage >= 3 else 2 grads = 2 / n if zero_stage …` → "
     "`grads = 2 / n if zero_stage >= 2 else 2 params = 2 / n if zero_stage …`":
         "two independent assignments in the other order",
