@@ -450,7 +450,7 @@ _NUMBER = re.compile(r"[-+]?(?:\d[\d,_]*\.?\d*(?:e[-+]?\d+)?|\.\d+(?:e[-+]?\d+)?
 _ADVICE = frozenset("""use return call pass divide multiply add skip wait launch keep check broadcast write take look
 count put send receive compute split remove reduce subtract scale cut zero must instead forgot forget missing never
 file follow walk close collapse strip join encode round exchange load store flush fold shift clamp apply give make
-start order lost twice swapped wrong sign overflows rounds forwards""".split())
+start order lost twice swapped wrong sign overflows rounds forwards divided summed multiplied added scaled""".split())
 
 
 def classify(status: str, detail: str) -> str:

@@ -208,8 +208,8 @@ WRONG = [
                                                                    r"or more"),
     ("3.2", (D.assign_buckets, allreduce_buckets_sum), r"factor of [234]\.00: gradients summed but not divided"),
     ("3.1", (broadcast_parameters_only, D.allreduce_gradients), r"rank 1's buffer probe_buffer holds \[2.0, 2.0, "
-                                                                  r"2.0\], rank 0's \[1.0, 1.0, 1.0\]: broadcast the "
-                                                                  r"buffers too"),
+                                                                  r"2.0\], rank 0's was \[1.0, 1.0, 1.0\]: broadcast "
+                                                                  r"the buffers too"),
     ("3.1", (D.broadcast_parameters, allreduce_zeros_for_frozen_too), r"pos_emb.weight \(requires_grad=False\) has "
                                                                       r"a gradient: skip the parameters that do not "
                                                                       r"require grad"),

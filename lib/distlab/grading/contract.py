@@ -163,7 +163,7 @@ SLIPS = [
          r"not be the same",
          "a send or receive with this rank itself as the peer: a ring's neighbours are (rank + 1) % N and "
          "(rank - 1) % N, never the rank itself"),
-    Slip("peer-outside-the-group", r"there is no such rank|Invalid (destination|source) rank",
+    Slip("peer-outside-the-group", r"there is no such rank|Invalid (destination|source) rank|invalid root rank",
          "a send or receive with a rank that does not exist: partners must lie in 0..N-1 (take them modulo N, or "
          "check that an extra rank's partner is there)"),
     Slip("outside-the-ranks", r"Default process group has not been initialized",
