@@ -50,6 +50,7 @@ HERE = {
     "sizes-differ": lambda: torch.ones(3) + torch.ones(4),
     "float-size": lambda: torch.ones(4)[: 4 / 2],
     "item-of-many": lambda: torch.ones(2).item(),
+    "floor-division-in-autograd": lambda: (torch.ones(2, requires_grad=True) // 2).sum().backward(),
     "list-for-a-tensor": lambda: dist.all_reduce([torch.ones(2)]),
     "outside-the-ranks": lambda: dist.all_reduce(torch.ones(2)),
     "devices-mixed": lambda: torch.ones(2).index_add_(0, torch.zeros(1, dtype=torch.long),

@@ -146,6 +146,8 @@ SLIPS = [
          r"must be tuple of ints, not float|must be int, not float|for \^: 'int' and 'float'|for \^: 'float'",
          "a size or an index came out a float: / always gives a float; use // (integer division) for sizes and "
          "indices"),
+    Slip("floor-division-in-autograd", r"derivative for aten::floor_divide is not implemented",
+         "// on a tensor that needs a gradient: floor division has none; divide with /"),
     Slip("item-of-many", r"elements cannot be converted to Scalar|only one element tensors can be converted",
          ".item() (or float(), int()) needs a one-element tensor: reduce it first, or index one element"),
     Slip("collective-returns-none", r"'NoneType'|NoneType'",

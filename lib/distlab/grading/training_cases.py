@@ -71,7 +71,8 @@ def describe_factor(factor: float, world_size: int, accum: int = 1) -> str:
     if accum > 1:
         hints += [(accum, f"gradients of the {accum} micro-steps summed, but the loss not divided by {accum}?"),
                   (world_size * accum, f"summed over ranks and micro-steps: divide by world size and by {accum}"),
-                  (1 / accum, f"loss divided by {accum} twice?")]
+                  (1 / accum, f"loss divided by {accum} twice?"),
+                  (accum**2, f"loss multiplied by {accum} instead of divided by it?")]
     hints += [(0.0, "the parameter was not updated: its gradient was lost (not written back to p.grad, or zeroed)?"),
               (-1.0, "the update has the wrong sign?")]
     return " Or ".join(hint[0].upper() + hint[1:] if i else hint
