@@ -89,6 +89,10 @@ def _value_cases(fmt: Format, rng: random.Random) -> list[tuple[float, str]]:
               (fmt.min_subnormal * 0.51, "just above half the smallest subnormal"),
               (fmt.min_subnormal / 3, "a value below half the smallest subnormal"),
               (-0.0, "-0.0"), (fmt.max * 1.03, "just above max"), (fmt.max * 1.5, "above max"), (1e30, "1e30"),
+              # past max by half the top step, and by a little more: E5M2 rounds these to inf (round to nearest,
+              # as if the next binade went on), E4M3 saturates
+              (fmt.max + (finite[-1] - finite[-2]) / 2, "max plus half its step"),
+              (fmt.max + (finite[-1] - finite[-2]) * 0.7, "max plus 0.7 of its step"),
               (-1e30, "-1e30"), (math.inf, "+inf"), (-math.inf, "-inf")]
     return cases
 
@@ -141,7 +145,8 @@ def _encode_hint(value: float, fmt: Format, got, expected: int) -> str:
         if not fmt.ieee_specials:
             return "E4M3 has no inf: values beyond ±448 saturate to ±448"
         if math.isinf(decode(expected, fmt)):
-            return "E5M2 overflows to ±inf (exponent 11111, mantissa 00), as IEEE does"
+            return ("E5M2 overflows to ±inf (exponent 11111, mantissa 00), as IEEE does, from max plus half the "
+                    "step below max on (half_step = (max - the next code down) / 2)")
         return "a value less than half a step above max rounds down to max"
     if isinstance(got, int) and 0 <= got < 256 and abs(got - expected) == 1 and value != 0:
         return "round to nearest, and on an exact tie to the code with an even (0) last mantissa bit"
@@ -290,8 +295,17 @@ def check_scaling(quantize_fn, delayed_class) -> str:
             x[1, 5] = -1e4
         _compare_quantized(scaler.quantize(x), reference.quantize(x), x, FORMATS["e5m2"],
                            f"delayed scaling in E5M2 (history=2), step {step}", delayed=True, first=step == 0)
-    return (f"{count} tensors with outliers, per-tensor/per-row/1×128/128×128 in E4M3 and E5M2, and 16 steps of "
-            f"delayed scaling with spikes in E4M3 and E5M2: scales and FP8 values equal the reference")
+    # a tensor of zeros first (amax 0: scale 1, not 0), then values under 1 (a scale below 1 is no special case)
+    scaler, reference = delayed_class(FORMATS["e4m3"], 2), DelayedScaling("e4m3", 2)
+    for step in range(3):
+        x = torch.zeros(16, 32) if step == 0 else torch.randn(16, 32, generator=generator) * 0.01
+        case_drawn("9.3", delayed="e4m3", all_zero=step == 0, below_one=bool(0 < x.abs().max() < 1))
+        _compare_quantized(scaler.quantize(x), reference.quantize(x), x, FORMATS["e4m3"],
+                           f"delayed scaling (history=2), step {step}: "
+                           + ("all zeros" if step == 0 else "values under 1"), delayed=True, first=step == 0)
+    return (f"{count} tensors with outliers, per-tensor/per-row/1×128/128×128 in E4M3 and E5M2, and 19 steps of "
+            f"delayed scaling with spikes, zeros and values under 1 in E4M3 and E5M2: scales and FP8 values equal "
+            f"the reference")
 
 
 def _scale_mistake(got: torch.Tensor, x: torch.Tensor, fmt: Format, block) -> str:
@@ -330,6 +344,10 @@ def _compare_quantized(got, want, x, fmt: Format, where: str, delayed: bool = Fa
                 if not delayed and scale.numel() == br * bc else "")
         raise CheckFailed(f"{where}: {scale.numel()} scales, expected {ref_scale.numel()} "
                           f"(one per block: a grid of shape {tuple(ref_scale.shape)}){axes}")
+    if ref_scale.numel() > 1 and tuple(scale.shape) != tuple(ref_scale.shape):
+        raise CheckFailed(f"{where}: scale has shape {tuple(scale.shape)}, expected the grid of blocks "
+                          f"(rows / br, cols / bc) = {tuple(ref_scale.shape)}: scale[i, j] is block (i, j)'s, so a "
+                          f"caller can expand it over the tensor")
     scale = scale.reshape(ref_scale.shape).float()
     if not torch.isfinite(scale).all() or (scale <= 0).any():
         raise CheckFailed(f"{where}: a scale is {scale[~torch.isfinite(scale) | (scale <= 0)][0].item()}: an all-zero "
@@ -580,12 +598,12 @@ def _train_gpt(student_class) -> str:
 _H100_RATIO = PEAK_FLOPS["H100 SXM fp8"] / PEAK_FLOPS["H100 SXM bf16"]
 
 # The boundaries each exercise's text names (harness.Edge; tests/grading/test_reference_seeds.py checks every seed's
-# cases hold each): exact ties between codes, subnormals and half the smallest one, -0.0, just above max, inf and NaN
-# in both formats; inf and NaN gradients and growth after growth_interval clean steps; an all-zero tile, every
-# block shape in both formats, a spike the history has not seen; row-wise and tensor-wise, E5M2 operands, K and N
-# off the multiple of 16; a layer with a bias and one without, never square.
+# cases hold each): exact ties between codes, subnormals and half the smallest one, -0.0, just above max, max plus
+# half its step, inf and NaN in both formats; inf and NaN gradients and growth after growth_interval clean steps; an
+# all-zero tile, every block shape in both formats, a spike the history has not seen; row-wise and tensor-wise, E5M2
+# operands, K and N off the multiple of 16; a layer with a bias and one without, never square.
 _WHATS = ("an exact tie between two codes", "half the smallest subnormal (a tie with 0)", "-0.0", "just above max",
-          "+inf", "-inf")
+          "max plus half its step", "+inf", "-inf")
 EDGES = {
     "9.1": [Edge(f"{fmt}: {what}", lambda c, fmt=fmt, what=what: c["fmt"] == fmt and what in c["whats"])
             for fmt in ("e4m3", "e5m2") for what in _WHATS],
@@ -595,12 +613,72 @@ EDGES = {
     "9.3": [*(Edge(f"{name} blocks", lambda c, name=name: c.get("block") == name)
               for name in ("per-tensor", "per-row", "1×128 tiles", "128×128 blocks")),
             Edge("an all-zero tile", lambda c: c.get("zero_tile")), Edge("E5M2", lambda c: c.get("fmt") == "e5m2"),
-            Edge("a spike the history has not seen", lambda c: c.get("spike"))],
+            Edge("a spike the history has not seen", lambda c: c.get("spike")),
+            Edge("delayed scaling of an all-zero tensor", lambda c: c.get("all_zero")),
+            Edge("delayed scaling of values under 1", lambda c: c.get("below_one"))],
     "9.4": [Edge("row-wise scales", lambda c: c.get("rowwise")), Edge("an E5M2 operand", lambda c: c.get("e5m2")),
             Edge("K off the multiple of 16", lambda c: c.get("k_off")),
             Edge("N off the multiple of 16", lambda c: c.get("n_off"))],
     "9.5": [Edge("a bias", lambda c: c["bias"]), Edge("no bias", lambda c: not c["bias"]),
             Edge("in ≠ out features", lambda c: not c["square"])],
+}
+
+# Surviving mutants of the solution cells that change nothing the exercises ask for (distlab notebooks
+# mutants): key, as benchmarks/results/mutants.txt names it → why it is equivalent.
+EQUIVALENT_MUTANTS = {
+    '9.1 compare: `math.copysign(1.0, value) < 0` → `math.copysign(1.0, value) <= 0`':
+        'math.copysign(1.0, value) is ±1, never 0',
+    '9.1 statements-swapped: `if below == largest or decode_fp8(below, fmt) == magnitude: return si…` → `low, high = '
+    'decode_fp8(below, fmt), decode_fp8(below + 1, fmt) if bel…`':
+        'the two neighbours are decoded before the early return instead of after: decoding a code has no effect, and '
+        'the return does not read them',
+    '9.1 statements-swapped: `if magnitude > top: if not fmt.ieee_specials: return sign | largest #…` → `below = '
+    'max(c for c in finite if decode_fp8(c, fmt) <= magnitude) # l…`':
+        'the code below is found before the overflow branch instead of after: that branch returns without reading '
+        'it, and a code at or below any non-negative magnitude always exists (0)',
+    '9.1 statements-swapped: `if math.isnan(value): return sign | 0x7F magnitude = abs(value)` → `magnitude = '
+    'abs(value) if math.isnan(value): return sign | 0x7F`':
+        "two statements that do not read each other's names, in the other order",
+    '9.1 statements-swapped: `if not fmt.ieee_specials: return sign | largest # E4M3 saturates half…` → `half_step = '
+    '(top - decode_fp8(largest - 1, fmt)) / 2 # E4M3 saturates…`':
+        "two statements that do not read each other's names, in the other order",
+    '9.1 statements-swapped: `sign = -1.0 if code & 0x80 else 1.0 exponent, mantissa = (code >> M) …` → `exponent, '
+    'mantissa = (code >> M) & ((1 << E) - 1), code & ((1 << M) -…`':
+        "two statements that do not read each other's names, in the other order",
+    '9.2 statements-swapped: `self.scale_value *= self.backoff_factor self.good_steps = 0` → `self.good_steps = 0 '
+    'self.scale_value *= self.backoff_factor`':
+        "two statements that do not read each other's names, in the other order",
+    '9.2 statements-swapped: `self.scale_value *= self.growth_factor self.good_steps = 0` → `self.good_steps = 0 '
+    'self.scale_value *= self.growth_factor`':
+        "two statements that do not read each other's names, in the other order",
+    '9.3 call-removed: `x.abs().max().item()` → `x.abs().max()`':
+        'the amax kept as a 0-d tensor instead of a float: max, > 0 and the division give the same values, and '
+        'torch.tensor copies it into the same scale',
+    '9.3 statements-swapped: `self.amax_history.append(current) scale = amax / self.fmt.max if amax…` → `scale = '
+    'amax / self.fmt.max if amax > 0 else 1.0 self.amax_history.ap…`':
+        "two statements that do not read each other's names, in the other order (the scale uses amax, read from the "
+        'history before either)',
+    '9.5 arguments-swapped: `fp8_matmul(gq, wq, g_scale, w_scale, out_dtype=grad_out.dtype)` → `fp8_matmul(gq, wq, '
+    'w_scale, g_scale, out_dtype=grad_out.dtype)`':
+        'quantize gives one scale per tensor, and a product of two dequantised operands is the same whichever scalar '
+        'multiplies which (up to rounding, within the tolerance)',
+    '9.5 arguments-swapped: `fp8_matmul(gq.t(), xq, g_scale, x_scale, out_dtype=torch.float32)` → '
+    '`fp8_matmul(gq.t(), xq, x_scale, g_scale, out_dtype=torch.float32)`':
+        'quantize gives one scale per tensor, and a product of two dequantised operands is the same whichever scalar '
+        'multiplies which (up to rounding, within the tolerance)',
+    '9.5 arguments-swapped: `fp8_matmul(xq, wq.t(), x_scale, w_scale, out_dtype=x.dtype)` → `fp8_matmul(xq, wq.t(), '
+    'w_scale, x_scale, out_dtype=x.dtype)`':
+        'quantize gives one scale per tensor, and a product of two dequantised operands is the same whichever scalar '
+        'multiplies which (up to rounding, within the tolerance)',
+    '9.5 statements-swapped: `grad_x = fp8_matmul(gq, wq, g_scale, w_scale, out_dtype=grad_out.dtyp…` → `grad_w = '
+    'fp8_matmul(gq.t(), xq, g_scale, x_scale, out_dtype=torch.flo…`':
+        "two statements that do not read each other's names, in the other order",
+    '9.5 statements-swapped: `xq, x_scale = quantize(x, "e4m3") wq, w_scale = quantize(weight, "e4m…` → `wq, w_scale '
+    '= quantize(weight, "e4m3") xq, x_scale = quantize(x, "e4m…`':
+        "two statements that do not read each other's names, in the other order",
+    '9.5 statements-swapped: `xq, x_scale, wq, w_scale = ctx.saved_tensors gq, g_scale = quantize(g…` → `gq, g_scale '
+    '= quantize(grad_out, "e5m2") xq, x_scale, wq, w_scale = c…`':
+        "two statements that do not read each other's names, in the other order",
 }
 
 EXERCISES = [
