@@ -676,6 +676,77 @@ EDGES = {
             Edge("heads not a multiple of N (refused)", lambda c: c["bad"] % c["world"] != 0)],
 }
 
+# Surviving mutants of the solution cells that change nothing the exercises ask for (distlab notebooks
+# mutants): key, as benchmarks/results/mutants.txt names it → why it is equivalent.
+EQUIVALENT_MUTANTS = {
+    '7.1 arguments-swapped: `k_block.transpose(-2, -1)` → `k_block.transpose(-1, -2)`':
+        'transpose(a, b) and transpose(b, a) are the same operation',
+    '7.1 arguments-swapped: `torch.maximum(m, s.amax(dim=-1))` → `torch.maximum(s.amax(dim=-1), m)`':
+        'torch.maximum is symmetric',
+    '7.1 arithmetic: `-2` → `(2)`':
+        'q and the key blocks are [batch, heads, tokens, head_dim]: dim 2 is dim -2',
+    '7.1 statements-swapped: `l = l * rescale + p.sum(-1) acc = acc * rescale.unsqueeze(-1) + p @ v…` → `acc = acc * '
+    'rescale.unsqueeze(-1) + p @ v_block l = l * rescale + p.s…`':
+        "two statements that do not read each other's names, in the other order",
+    '7.2 arguments-swapped: `min(k_start + block_size, k.shape[2])` → `min(k.shape[2], k_start + block_size)`':
+        'min is symmetric',
+    '7.2 arguments-swapped: `min(q_start + block_size, q.shape[2])` → `min(q.shape[2], q_start + block_size)`':
+        'min is symmetric',
+    '7.2 compare: `k_start >= q_stop` → `k_start > q_stop`':
+        'the key block that starts at q_stop is entirely in the future of the query block: computing it (every score '
+        'masked, lse -inf) merges with weight exp(-inf) = 0, so stopping one block later changes nothing but time',
+    '7.2 off-by-one: `range(0, q.shape[2], block_size)` → `range(0, q.shape[2] + 1, block_size)`':
+        'the extra start q.shape[2] appears only when it is a multiple of block_size, and its query block is empty: '
+        'nothing is added to the concatenation',
+    '7.2 statements-swapped: `q_pos = torch.arange(q_start, q_stop) if causal else None out = lse =…` → `out = lse = '
+    'None q_pos = torch.arange(q_start, q_stop) if causal else…`':
+        "two statements that do not read each other's names, in the other order",
+    '7.3 statements-swapped: `for request in requests: request.wait() kv = incoming` → `kv = incoming for request in '
+    'requests: request.wait()`':
+        'the receive buffer is named before the wait instead of after: it is read only after the wait, so the same '
+        'values',
+    '7.3 statements-swapped: `out, lse = block if out is None else merge_attention(out, lse, *block…` → `if step < '
+    'world - 1: for request in requests: request.wait() kv = inc…`':
+        'the wait for the next block comes before this block is merged instead of after: the merge reads neither '
+        'the buffer in flight nor kv',
+    '7.3 statements-swapped: `right, left = (rank + 1) % world, (rank - 1) % world kv = torch.stack…` → `kv = '
+    'torch.stack([k, v]) right, left = (rank + 1) % world, (rank - 1)…`':
+        "two statements that do not read each other's names, in the other order",
+    '7.4 statements-swapped: `chunk = seq_len // (2 * world_size) late = 2 * world_size - 1 - rank` → `late = 2 * '
+    'world_size - 1 - rank chunk = seq_len // (2 * world_size)`':
+        "two statements that do not read each other's names, in the other order",
+    '7.4 statements-swapped: `for request in requests: request.wait() kv = incoming` → `kv = incoming for request in '
+    'requests: request.wait()`':
+        'the receive buffer is named before the wait instead of after: it is read only after the wait, so the same '
+        'values',
+    '7.4 statements-swapped: `if step < world - 1: incoming = torch.empty_like(kv) requests = dist.…` → `k_pos = '
+    'positions_of((rank - step) % world) if step < world - 1: inco…`':
+        "two statements that do not read each other's names, in the other order",
+    '7.4 statements-swapped: `kv = torch.stack([k, v]) out = lse = None` → `out = lse = None kv = torch.stack([k, '
+    'v])`':
+        "two statements that do not read each other's names, in the other order",
+    '7.4 statements-swapped: `q_pos = positions_of(rank) kv = torch.stack([k, v])` → `kv = torch.stack([k, v]) q_pos '
+    '= positions_of(rank)`':
+        "two statements that do not read each other's names, in the other order",
+    '7.5 statements-swapped: `delta = (dout * out).sum(-1) dq = torch.zeros_like(q)` → `dq = torch.zeros_like(q) '
+    'delta = (dout * out).sum(-1)`':
+        "two statements that do not read each other's names, in the other order",
+    '7.5 statements-swapped: `for request in grad_requests: request.wait() dkv = dkv_incoming` → `dkv = dkv_incoming '
+    'for request in grad_requests: request.wait()`':
+        'the receive buffer is named before the wait instead of after: it is read only after the wait, so the same '
+        'values',
+    '7.5 statements-swapped: `for request in grad_requests: request.wait() dkv = dkv_incoming` → `dkv = dkv_incoming '
+    'for request in grad_requests: request.wait()` #2':
+        'the receive buffer is named before the wait instead of after: it is read only after the wait, so the same '
+        'values',
+    '7.5 statements-swapped: `for request in kv_requests: request.wait() kv = incoming` → `kv = incoming for request '
+    'in kv_requests: request.wait()`':
+        'the receive buffer is named before the wait instead of after: it is read only after the wait, so the same '
+        'values',
+    '7.6 arguments-swapped: `recv.transpose(0, 1)` → `recv.transpose(1, 0)`':
+        'transpose(a, b) and transpose(b, a) are the same operation',
+}
+
 EXERCISES = [
     Exercise("7.1", "online softmax over streaming key blocks", 2, check_online_softmax,
              references=("distlab.context_parallel.blocks.online_softmax_attention",)),
