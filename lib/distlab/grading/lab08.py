@@ -140,20 +140,31 @@ def check_router(route_fn) -> str:
         if w.grad is None or not is_close(w.grad, w_ref.grad, rtol=ATOL):
             raise CheckFailed(f"{where}: the router weight's gradient through the gates differs by "
                               f"{max_difference(w.grad, w_ref.grad)[0] if w.grad is not None else 'everything (None)'}")
+    # k's range at both ends: E experts of width 6 < E (the experts are the weight's rows, not its columns)
     E = 8
     x, w = torch.randn(4, 6, generator=_generator(1)), torch.randn(E, 6, generator=_generator(2))
+    case_drawn("8.1", k=E, bias=False, experts=E, limits=True)
     try:
-        route_fn(x, w, E + 1)
-    except ValueError:
-        pass
-    except NotImplementedError:
-        raise
-    except Exception as error:
-        raise CheckFailed(f"route(x, weight, k={E + 1}) with {E} experts raised {type(error).__name__}; raise a "
-                          f"ValueError naming k and the number of experts before routing") from None
-    else:
-        raise CheckFailed(f"route(x, weight, k={E + 1}) with {E} experts returned: k > experts must raise ValueError")
-    return f"{len(cases)} cases, k = 1 to {max(k for k, _ in cases)}, with and without a bias; k > E rejected"
+        route_fn(x, w, E)
+    except ValueError as error:
+        raise CheckFailed(f"route(x, weight, k={E}) with {E} experts (the weight's {E} rows) raised ValueError "
+                          f"({first_line(error)[:80]}): k may be anything from 1 to the number of experts, "
+                          f"weight.shape[0], inclusive") from None
+    for k in (E + 1, 0):
+        try:
+            route_fn(x, w, k)
+        except ValueError:
+            continue
+        except NotImplementedError:
+            raise
+        except Exception as error:
+            raise CheckFailed(f"route(x, weight, k={k}) with {E} experts raised {type(error).__name__}; raise a "
+                              f"ValueError naming k and the number of experts before routing") from None
+        raise CheckFailed(f"route(x, weight, k={k}) with {E} experts returned: "
+                          + ("k > experts must raise ValueError" if k else
+                             "k = 0 must raise ValueError (k runs from 1 to the number of experts)"))
+    return (f"{len(cases)} cases, k = 1 to {max(k for k, _ in cases)}, with and without a bias; k = E accepted, "
+            f"k = 0 and k > E rejected")
 
 
 # ---------------------------------------------------------------- 8.2 capacity
@@ -610,7 +621,8 @@ _DSV3_DISPATCH_MB = all_to_all_bytes(4096, DEEPSEEK_V3.k, DEEPSEEK_V3.d_model, 6
 # expert; expert parallelism on 2 and 4 ranks, uneven tokens, drops, a rank that receives nothing.
 EDGES = {
     "8.1": [Edge("top-1", lambda c: c["k"] == 1), Edge("top-k, k > 1", lambda c: c["k"] > 1),
-            Edge("a selection bias", lambda c: c["bias"]), Edge("no bias", lambda c: not c["bias"])],
+            Edge("a selection bias", lambda c: c["bias"]), Edge("no bias", lambda c: not c["bias"]),
+            Edge("k = the number of experts", lambda c: c["k"] == c["experts"])],
     "8.2": [Edge("capacity rounded up", lambda c: c["cf"] * c["tokens"] * c["k"] % c["experts"] != 0),
             Edge("capacity exact", lambda c: c["cf"] * c["tokens"] * c["k"] % c["experts"] == 0),
             Edge("capacity factor 1.0", lambda c: c["cf"] == 1.0), Edge("k = 1", lambda c: c["k"] == 1)],
@@ -622,6 +634,54 @@ EDGES = {
             Edge("a rank that receives nothing", lambda c: c["all_to_one"]),
             Edge("capacity drops", lambda c: c["cf"] is not None),
             Edge("uneven tokens per rank", lambda c: len(set(c["tokens"])) > 1)],
+}
+
+# Surviving mutants of the solution cells that change nothing the exercises ask for (distlab notebooks
+# mutants): key, as benchmarks/results/mutants.txt names it → why it is equivalent.
+EQUIVALENT_MUTANTS = {
+    '8.1 arithmetic: `-1` → `(1)`':
+        'the tensor is 2-D ([tokens, experts] or [tokens, k]), so dim 1 is dim -1',
+    '8.1 arithmetic: `-1` → `(1)` #2':
+        'the tensor is 2-D ([tokens, experts] or [tokens, k]), so dim 1 is dim -1',
+    '8.1 arithmetic: `-1` → `(1)` #3':
+        'the tensor is 2-D ([tokens, experts] or [tokens, k]), so dim 1 is dim -1',
+    '8.1 arithmetic: `-1` → `(1)` #4':
+        'the tensor is 2-D ([tokens, experts] or [tokens, k]), so dim 1 is dim -1',
+    '8.1 statements-swapped: `if not 1 <= k <= num_experts: raise ValueError(f"k={k} experts per to…` → `logits = x '
+    '@ weight.t() if not 1 <= k <= num_experts: raise ValueErro…`':
+        'the logits are computed before the check on k instead of after: the same ValueError for a bad k, the same '
+        'result otherwise',
+    '8.2 arithmetic: `-1` → `(1)` #2':
+        'one_hot is 2-D [T·k, experts], so dim 1 is dim -1',
+    '8.2 statements-swapped: `if capacity is None: return torch.ones_like(experts, dtype=torch.bool…` → '
+    '`choice_major = experts.t().reshape(-1) if capacity is None: return to…`':
+        "two statements that do not read each other's names, in the other order",
+    '8.3 arithmetic: `-1` → `(1)` #2':
+        'the logits are 2-D [tokens, experts], so dim 1 is dim -1',
+    '8.5 arguments-swapped: `expert_capacity(x.shape[0], num_experts, k, capacity_factor)` → '
+    '`expert_capacity(x.shape[0], num_experts, capacity_factor, k)`':
+        'the capacity ⌈capacity_factor · tokens · k / experts⌉ is symmetric in k and capacity_factor',
+    '8.5 arithmetic: `-1` → `(1)`':
+        'the gates picked are 1-D, so unsqueeze(1) is unsqueeze(-1)',
+    '8.5 off-by-one: `order` → `(order) - 1` #3':
+        'after this line expert is only counted (bincount): a rotated order of the same experts gives the same counts',
+    '8.5 statements-swapped: `num_experts = len(experts) routing = route(x, router_weight, k)` → `routing = route(x, '
+    'router_weight, k) num_experts = len(experts)`':
+        "two statements that do not read each other's names, in the other order",
+    '8.5 statements-swapped: `routing = route(x, router_weight, k) capacity = None if capacity_fact…` → `capacity = '
+    'None if capacity_factor is None else expert_capacity(x.sha…`':
+        "two statements that do not read each other's names, in the other order",
+    '8.6 arithmetic: `-1` → `(1)` #2':
+        'the gates picked are 1-D, so unsqueeze(1) is unsqueeze(-1)',
+    '8.6 statements-swapped: `input_splits = send_counts.view(world, per_rank).sum(1).tolist() outp…` → '
+    '`output_splits = recv_counts.sum(1).tolist() input_splits = send_count…`':
+        "two statements that do not read each other's names, in the other order",
+    '8.6 statements-swapped: `per_rank = num_experts // world token, choice = keep.nonzero(as_tuple…` → `token, '
+    'choice = keep.nonzero(as_tuple=True) per_rank = num_experts //…`':
+        "two statements that do not read each other's names, in the other order",
+    '8.6 statements-swapped: `received = all_to_all(x[token], output_splits, input_splits) local_ex…` → '
+    '`local_expert = torch.repeat_interleave(torch.arange(per_rank, device=…`':
+        "two statements that do not read each other's names, in the other order",
 }
 
 EXERCISES = [
