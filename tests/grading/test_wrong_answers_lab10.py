@@ -53,6 +53,23 @@ def fifty_words_is_too_few(text):  # 50 < words instead of 50 <= words
     return quality.passes_quality(text) and len(quality.split_words(text)) > 50
 
 
+def mean_word_length_floored(text):  # // for /: a mean of 10.5 letters becomes 10, inside the limit
+    words = quality.split_words(text)
+    if quality.gopher_quality_failure(text) not in (None, "mean_word_length") or not words:
+        return False
+    return 3 <= sum(len(w) for w in words) // len(words) <= 10
+
+
+def mean_word_length_exclusive(text):  # 3 < mean instead of 3 <= mean: a page of 3-letter words is rejected
+    words = quality.split_words(text)
+    return quality.passes_quality(text) and sum(len(w) for w in words) / len(words) > 3
+
+
+def one_word_too_many_allowed(text):  # 100_001 for 100_000
+    failure = quality.gopher_quality_failure(text)
+    return failure is None or (failure == "word_count" and 50 <= len(quality.split_words(text)) <= 100_001)
+
+
 # ---------------------------------------------------------------- 10.2 PII patterns
 
 
@@ -113,6 +130,17 @@ class UnverifiedCandidates(Reference):
 
     def __init__(self):
         super().__init__(bands=32, rows=4)
+
+    def is_duplicate(self, doc_id, text):
+        sketch = self.inner.signature(text)
+        if self.inner.lsh.query(sketch):
+            return True
+        self.inner.lsh.insert(doc_id, sketch)
+        return False
+
+
+class CandidatesUnverified(Reference):
+    """The LSH's 16 x 8 bands, and every candidate taken for a duplicate without its estimated Jaccard."""
 
     def is_duplicate(self, doc_id, text):
         sketch = self.inner.signature(text)
@@ -195,6 +223,10 @@ def written_in_place(docs, out_path):  # issue 46 item 24: no temporary file, no
     return np.cumsum([0] + [len(span) for span in spans[:-1]]).tolist()
 
 
+def never_replaced(docs, out_path):  # the shard written to its temporary name and left there
+    return shards.tokenize_to_bin(docs, f"{out_path}.tmp")
+
+
 def no_separator(docs, out_path):
     tokens = [t for d in docs for t in shards.gpt2_encoding().encode_ordinary(d)]
     np.array(tokens, dtype="<u2").tofile(out_path)
@@ -228,6 +260,9 @@ WRONG = [
     ("10.1", alphabetic_ratio_over_words, r"'75% alphabetic, dashes'.*the alphabetic ratio counts whitespace tokens "
                                           r"\(text.split\(\)\), dashes and other pure punctuation included"),
     ("10.1", fifty_words_is_too_few, r"'50 words'.*passes every rule"),
+    ("10.1", mean_word_length_floored, r"'mean word length 10.5'.*look at the 'mean_word_length' rule"),
+    ("10.1", mean_word_length_exclusive, r"'mean word length 3'.*passes every rule.*inclusive on the kept side"),
+    ("10.1", one_word_too_many_allowed, r"'100,001 words'.*look at the 'word_count' rule"),
     ("10.2", cards_without_luhn, r"Luhn-invalid"),
     ("10.2", clock_time_as_ipv6, r"clock time \(not an IPv6\)"),
     ("10.2", ipv4_cannot_end_a_sentence, r"IPv4 ending a sentence|expected counts"),
@@ -235,12 +270,15 @@ WRONG = [
     ("10.2", counts_as_one_kind, r"expected counts"),
     ("10.3", TooFewBands, r"recall .*bands x rows"),
     ("10.3", UnverifiedCandidates, r"precision .*verify candidates"),
+    ("10.3", CandidatesUnverified, r"was flagged as a duplicate, but its LSH candidate \S+ has an estimated Jaccard of "
+                                   r"only 0\.\d+: a candidate is a duplicate only when sketch.jaccard"),
     ("10.3", NeverInserts, r"recall .*kept documents are inserted"),
     ("10.3", InvertedAnswer, r"first copy of a document must be kept"),
     ("10.4", occurrences_not_documents, r"counts once"),
     ("10.4", characters_not_bytes, r"characters: count UTF-8 bytes"),
     ("10.4", more_than_min_documents, r"should be removed"),
     ("10.4", blank_lines_left_behind, r"collapse the blank"),
+    ("10.5", never_replaced, r"out_path still holds the file that was there before: .*os.replace\(\) it over"),
     ("10.5", no_separator, r"50256"),
     ("10.5", int32_ids, r"bytes"),
     ("10.5", eot_after_each_document, r"EOT before each document"),
