@@ -125,20 +125,6 @@ class TooFewBands(Reference):
         super().__init__(bands=4, rows=32)
 
 
-class UnverifiedCandidates(Reference):
-    """32 bands x 4 rows and no Jaccard check: every loose candidate counts as a duplicate."""
-
-    def __init__(self):
-        super().__init__(bands=32, rows=4)
-
-    def is_duplicate(self, doc_id, text):
-        sketch = self.inner.signature(text)
-        if self.inner.lsh.query(sketch):
-            return True
-        self.inner.lsh.insert(doc_id, sketch)
-        return False
-
-
 class CandidatesUnverified(Reference):
     """The LSH's 16 x 8 bands, and every candidate taken for a duplicate without its estimated Jaccard."""
 
@@ -148,6 +134,13 @@ class CandidatesUnverified(Reference):
             return True
         self.inner.lsh.insert(doc_id, sketch)
         return False
+
+
+class UnverifiedCandidates(CandidatesUnverified):
+    """32 bands x 4 rows and no Jaccard check: every loose candidate counts as a duplicate."""
+
+    def __init__(self):
+        super().__init__(bands=32, rows=4)
 
 
 class NeverInserts(Reference):
