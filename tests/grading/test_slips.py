@@ -62,6 +62,11 @@ HERE = {
     "size-of-another-shape": lambda: torch.ones(9).view(4, 2),
     "negative-size": lambda: torch.zeros(-(5 // 2)),
     "used-before-assigned": lambda: _use_before_assigning(),
+    "tensor-as-a-bool": lambda: bool(torch.ones(2) > 0),
+    "range-bounds-reversed": lambda: torch.arange(3, 1),
+    "lookup-past-the-rows": lambda: nn.functional.embedding(torch.tensor([5]), torch.ones(3, 2)),
+    "path-of-another-type": lambda: open(None),  # noqa: SIM115  the slip: a path argument that is None
+    "linear-arguments-swapped": lambda: nn.functional.linear(torch.ones(4, 3), torch.ones(2, 2, 3)),
 }
 
 
@@ -93,7 +98,11 @@ def _send_to_myself():
     dist.send(torch.ones(1), dist.get_rank())  # a ring's neighbour computed as the rank itself
 
 
-ON_RANKS = {"collective-buffer-size": _gather_into_a_short_buffer,
+def _group_where_a_tensor_belongs():
+    return dist.group.WORLD.view_as(torch.ones(1))  # f(group, x) for f(x, group): the group is used as x
+
+
+ON_RANKS = {"collective-buffer-size": _gather_into_a_short_buffer, "group-for-a-tensor": _group_where_a_tensor_belongs,
             "collective-returns-none": _use_what_all_reduce_returned, "peer-is-this-rank": _send_to_myself,
             "peer-outside-the-group": _partner_past_the_last_rank}
 

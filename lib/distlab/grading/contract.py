@@ -143,7 +143,8 @@ SLIPS = [
          "tensors of different sizes meet: a shard beside a whole tensor, or chunks of unequal size where the size "
          "does not divide by the world (split every side the same way)"),
     Slip("float-size", r"slice indices must be integers|'float' object cannot be interpreted as an integer|"
-         r"must be tuple of ints, not float|must be int, not float|for \^: 'int' and 'float'|for \^: 'float'",
+         r"must be tuple of ints, not float|must be int, not float|for \^: 'int' and 'float'|for \^: 'float'|"
+         r"tensors used as indices must be long, int, byte or bool",
          "a size or an index came out a float: / always gives a float; use // (integer division) for sizes and "
          "indices"),
     Slip("floor-division-in-autograd", r"derivative for aten::floor_divide is not implemented",
@@ -185,11 +186,27 @@ SLIPS = [
          "last chunk may be shorter)"),
     Slip("negative-size", r"must be non-negative|invalid shape dimension -\d",
          "a size came out negative: check the size arithmetic (a ceiling division is -(-a // b))"),
-    Slip("used-before-assigned", r"cannot access local variable '\w+' where it is not associated with a value|"
+    Slip("used-before-assigned", r"cannot access (local|free) variable '\w+' where it is not associated with a value|"
          r"referenced before assignment",
          "a name is read before the line that assigns it runs: check the order of your statements"),
     Slip("view-of-a-strided-tensor", r"view size is not compatible with input tensor's size and stride",
          ".view() needs contiguous memory (a transpose or a slice is not): use .reshape(), or .contiguous().view()"),
+    Slip("tensor-as-a-bool", r"Boolean value of Tensor with more than one value is ambiguous",
+         "a tensor of several values was read as a bool (if x:, and/or) or passed where a flag or a process group "
+         "belongs: use .any() or .all(), and check the order of the call's arguments"),
+    Slip("group-for-a-tensor", r"ProcessGroup' object has no attribute|ProcessGroup' object is not",
+         "a process group was used as a tensor: check the order of the call's arguments (the tensor first, "
+         "group=... after)"),
+    Slip("range-bounds-reversed", r"upper bound and lower bound inconsistent with step sign",
+         "torch.arange(start, end) with end below start: check the order and the arithmetic of the bounds"),
+    Slip("lookup-past-the-rows", r"index out of range in self",
+         "an index past a lookup table's rows (F.embedding, index_select): shift the ids by the shard's first row "
+         "and mask the ids outside it"),
+    Slip("path-of-another-type", r"expected str, bytes or os\.PathLike object, not",
+         "a path was expected and got something else: check the order of the call's arguments, and that the path "
+         "is not None"),
+    Slip("linear-arguments-swapped", r"t\(\) expects a tensor with <= 2 dimensions",
+         "F.linear(input, weight, bias) takes the 2-D weight second: the arguments are in the other order"),
 ]
 
 
