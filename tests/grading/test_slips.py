@@ -63,6 +63,7 @@ HERE = {
     "negative-size": lambda: torch.zeros(-(5 // 2)),
     "used-before-assigned": lambda: _use_before_assigning(),
     "tensor-as-a-bool": lambda: bool(torch.ones(2) > 0),
+    "permute-dims": lambda: torch.ones(2, 3).permute(0, 0),
     "range-bounds-reversed": lambda: torch.arange(3, 1),
     "lookup-past-the-rows": lambda: nn.functional.embedding(torch.tensor([5]), torch.ones(3, 2)),
     "path-of-another-type": lambda: open(None),  # noqa: SIM115  the slip: a path argument that is None

@@ -205,6 +205,8 @@ SLIPS = [
     Slip("path-of-another-type", r"expected str, bytes or os\.PathLike object, not",
          "a path was expected and got something else: check the order of the call's arguments, and that the path "
          "is not None"),
+    Slip("permute-dims", r"permute\(\): duplicate dims are not allowed|number of dims don't match in permute",
+         "permute takes every dim once, in its new place (a permutation of 0..n-1): check the dims listed"),
     Slip("linear-arguments-swapped", r"t\(\) expects a tensor with <= 2 dimensions",
          "F.linear(input, weight, bias) takes the 2-D weight second: the arguments are in the other order"),
 ]
