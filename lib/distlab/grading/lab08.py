@@ -113,8 +113,8 @@ def check_router(route_fn) -> str:
                 raise CheckFailed(f"{where}: the bias did not change the choice: select the top-k of probs + bias")
             t = int((got.experts.long() != expected.experts).any(-1).nonzero()[0])
             raise CheckFailed(f"{where}: token {t} went to experts {got.experts[t].tolist()}, expected "
-                              f"{expected.experts[t].tolist()} "
-                              f"(the k largest {'probs + bias' if with_bias else 'probs'})")
+                              f"{expected.experts[t].tolist()}: take the k largest "
+                              f"{'probs + bias' if with_bias else 'probs'} over the experts (topk, dim=-1)")
         if not is_close(got.gates, expected.gates, atol=1e-6, rtol=1e-6):
             raw = expected.probs.gather(-1, expected.experts)
             if k == 1 and torch.allclose(got.gates.detach(), torch.ones_like(raw)):
@@ -130,7 +130,9 @@ def check_router(route_fn) -> str:
                 if is_close(got.gates, biased, atol=1e-6, rtol=1e-6):
                     raise CheckFailed(f"{where}: the bias leaked into the gates: use probs + bias only to choose "
                                       f"experts, and gather the gates from probs")
-            raise CheckFailed(f"{where}: gates differ by up to {max_difference(got.gates, expected.gates)[0]:.3g}")
+            raise CheckFailed(f"{where}: gates differ by up to {max_difference(got.gates, expected.gates)[0]:.3g}: "
+                              f"a gate is probs gathered at the chosen experts"
+                              + (", renormalised over the k choices" if k > 1 else " (kept raw for k = 1)"))
         if got.gates.grad_fn is None:
             raise CheckFailed(f"{where}: the gates carry no gradient: gather them from probs (differentiable), "
                               f"never from detached values, or the router never learns")
@@ -139,7 +141,9 @@ def check_router(route_fn) -> str:
         (got.gates * cotangent).sum().backward()
         if w.grad is None or not is_close(w.grad, w_ref.grad, rtol=ATOL):
             raise CheckFailed(f"{where}: the router weight's gradient through the gates differs by "
-                              f"{max_difference(w.grad, w_ref.grad)[0] if w.grad is not None else 'everything (None)'}")
+                              f"{max_difference(w.grad, w_ref.grad)[0] if w.grad is not None else 'everything (None)'}"
+                              f": the gates must come from softmax(x @ weight.T) by differentiable ops (gather, "
+                              f"division), with the same softmax the probs use")
     # k's range at both ends: E experts of width 6 < E (the experts are the weight's rows, not its columns)
     E = 8
     x, w = torch.randn(4, 6, generator=_generator(1)), torch.randn(E, 6, generator=_generator(2))
