@@ -16,7 +16,7 @@ SHARED := $(abspath ../shared)
 
 export TIKTOKEN_CACHE_DIR ?= $(abspath $(VENV_TIKTOKEN))
 
-.PHONY: install lab test test-phases test-latest lock browser-deps solutions labs bench gpu-check clean
+.PHONY: install lab test test-phases test-latest lock browser-deps solutions labs bench mutants gpu-check clean
 
 # The interpreter .venv is made from: Python 3.10-3.13 with its venv module (a separate package on Debian and
 # Ubuntu, python3-venv). Another one is chosen with `make lab PYTHON=python3.12`. Each way this fails is one line,
@@ -140,6 +140,12 @@ labs: install
 
 bench: install
 	$(PY) benchmarks/run_all.py
+
+# Mutation testing of the checkers: every exercise's reference solution with one change at a time, each checked in
+# its own forked process (lib/distlab/mutants.py). Resumable; `make mutants LABS="03 05"` for some labs. Writes
+# benchmarks/results/mutants.json and mutants.txt. Hours for every lab on 2 cores.
+mutants: install
+	$(PY) -m distlab notebooks mutants $(if $(LABS),--labs $(LABS),)
 
 clean:
 	rm -rf $(VENV) .pytest_cache

@@ -25,7 +25,7 @@ PACKAGE = Path(distlab.__file__).resolve().parent
 REPO = PACKAGE.parents[1]
 LAYERS = ["runtime", "shared", "topic", "grading", "tooling"]
 SHARED = {"model", "reference", "memory", "flops", "claims", "results", "workload"}
-TOOLING = {"__init__", "__main__", "cli", "doctor", "notebooks", "torchrun"}
+TOOLING = {"__init__", "__main__", "cli", "doctor", "notebooks", "torchrun", "mutants"}
 
 
 def layer_of(module: str) -> str:

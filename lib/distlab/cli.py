@@ -14,6 +14,7 @@ from pathlib import Path
 import nbformat
 from packaging.requirements import Requirement
 
+from distlab import mutants
 from distlab.grading.classroom import (
     DEFAULT_THRESHOLD,
     DEFAULT_TIMEOUT,
@@ -33,7 +34,8 @@ from distlab.grading.submissions import (
     write_feedback,
     write_gradescope,
 )
-from distlab.notebooks import build_labs, execute, set_kernelspec, stale_kernelspecs, tag_grader_skips
+from distlab.mutants import MAX_PER_EXERCISE
+from distlab.notebooks import REPO_ROOT, build_labs, execute, set_kernelspec, stale_kernelspecs, tag_grader_skips
 
 # Subcommands that own their argument parsing: name -> "module:function(argv) -> int".
 DELEGATED = {"data": "distlab.data.cli:main", "doctor": "distlab.doctor:main"}
@@ -85,6 +87,20 @@ def _execute(args) -> int:
     for path in args.paths:
         print(f"executing {path} …", flush=True)
         nbformat.write(execute(Path(path), cell_timeout=args.timeout), path)
+    return 0
+
+
+def _mutants(args) -> int:
+    """Mutation-test the checkers (:mod:`distlab.mutants`): resumable, one lab at a time."""
+    if args.report_only:
+        results = mutants.load_results()
+        print(mutants.write_report(results, stale=mutants.stale_exercises(results)), end="")
+        return 0
+    labs = args.labs if args.labs is not None else sorted({int(p.name[:2]) for p in
+                                                           (REPO_ROOT / "solutions").glob("[0-9][0-9]_*.ipynb")})
+    report = mutants.main_loop(labs, args.exercises, limit_per_exercise=args.max_per_exercise or None,
+                               seed=args.seed, fresh=args.fresh)
+    print(report, end="")
     return 0
 
 
@@ -237,6 +253,17 @@ def parser() -> argparse.ArgumentParser:
     tag.add_argument("paths", nargs="+")
     tag.add_argument("--check", action="store_true", help="only report stale tags (exit status 1)")
     tag.set_defaults(run=_tag)
+    mutants = nb_sub.add_parser("mutants", help="mutation-test the checkers on their exercises' reference solutions "
+                                                "(results in benchmarks/results/mutants.json and .txt)")
+    mutants.add_argument("--labs", nargs="+", type=int, metavar="NN", help="only these labs (default: every lab)")
+    mutants.add_argument("--exercises", nargs="+", metavar="N.K", help="only these exercises (of the labs given)")
+    mutants.add_argument("--max-per-exercise", type=int, default=MAX_PER_EXERCISE, metavar="N",
+                         help=f"mutants per exercise, every operator kept (default {MAX_PER_EXERCISE}; 0: all)")
+    mutants.add_argument("--seed", type=int, metavar="N", help="grade seed of the hidden cases (default: the "
+                                                              "self-study seed)")
+    mutants.add_argument("--fresh", action="store_true", help="forget the saved results of these labs and redo them")
+    mutants.add_argument("--report-only", action="store_true", help="only rewrite mutants.txt from mutants.json")
+    mutants.set_defaults(run=_mutants)
 
     grade = sub.add_parser("grade", help="execute student notebooks headless and report per student and exercise")
     grade.add_argument("paths", nargs="+", metavar="NOTEBOOK_OR_FOLDER",

@@ -16,10 +16,8 @@ from pathlib import Path
 
 import nbformat
 import pytest
-import torch
 
 from distlab import memory
-from distlab.data_parallel import pytorch_buckets
 from distlab.grading import check, quiz
 from distlab.grading.classroom import class_report, grade_notebooks
 from distlab.grading.harness import GRADE_SEED_VARIABLE, lab_seed
@@ -42,8 +40,8 @@ ANSWERS = {
     "Q2.5": lambda ranks: math.floor(math.log2(ranks)) + (0 if ranks & (ranks - 1) == 0 else 2),
     "Q3.1": lambda billions, gpus: 2 * (gpus - 1) / gpus * billions * 2,
     "Q3.2": lambda ranks: ranks,
-    "Q3.3": lambda megabytes: len(pytorch_buckets([torch.nn.Parameter(torch.empty(25_000))  # 100 kB tensors
-                                                   for _ in range(megabytes * 10)])),
+    # many small tensors: 1 MiB in the first bucket, 25 MiB in each later one, the rest in the last
+    "Q3.3": lambda megabytes: 1 + math.ceil((megabytes * 1e6 - 2**20) / (25 * 2**20)),
     "Q3.5": lambda billions, tokens: 6 * billions * 1e9 * tokens / 989e12,
     "Q4.1": lambda ranks: 2 + 14 / ranks,
     "Q4.4": lambda billions, gpus: billions * 16 / gpus,

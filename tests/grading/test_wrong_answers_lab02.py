@@ -152,6 +152,45 @@ def doubling_with_a_ring(x):
     return _ring_steps(x, ["reduce-scatter", "all-gather"])
 
 
+def linear_chain(x):
+    """Issue 46 item 22: reduce N-1 → … → 0, then broadcast back: at most 2 messages per rank, 2(N-1) rounds."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    flat, incoming = x.view(-1), torch.empty_like(x.view(-1))
+    if rank < n - 1:
+        dist.recv(incoming, rank + 1)
+        flat += incoming
+    if rank > 0:
+        dist.send(flat, rank - 1)
+        dist.recv(flat, rank - 1)
+    if rank < n - 1:
+        dist.send(flat, rank + 1)
+    return x
+
+
+def doubling_without_waiting(x):
+    """Recursive doubling whose extra rank never waits on its isend."""
+    rank, n = dist.get_rank(), dist.get_world_size()
+    flat, incoming = x.view(-1), torch.empty_like(x.view(-1))
+    p = 1 << (n.bit_length() - 1)
+    if rank >= p:
+        dist.isend(flat, rank - p)
+        dist.irecv(flat, rank - p).wait()
+        return x
+    if rank + p < n:
+        dist.irecv(incoming, rank + p).wait()
+        flat += incoming
+    distance = 1
+    while distance < p:
+        requests = [dist.isend(flat, rank ^ distance), dist.irecv(incoming, rank ^ distance)]
+        for request in requests:
+            request.wait()
+        flat += incoming
+        distance *= 2
+    if rank + p < n:
+        dist.isend(flat, rank + p).wait()
+    return x
+
+
 WRONG = [
     ("2.1", calls_the_builtin, r"your ring sent 0 bytes with send/isend \(it called dist.all_reduce\); it must be "
                                r"built from point-to-point ops"),
@@ -173,6 +212,9 @@ WRONG = [
     ("2.4", naive_all_reduce, r"sent 3 messages on 4 ranks, but a latency-optimal all-reduce"),
     ("2.4", doubling_with_a_ring, r"sent 2 messages on 2 ranks, but a latency-optimal all-reduce needs only "
                                   r"ceil\(log2 N\) = 1"),
+    ("2.4", linear_chain, r"your messages form a chain 2 rounds long on 2 ranks \(each waiting on the one before\), "
+                          r"but recursive doubling takes 1"),
+    ("2.4", doubling_without_waiting, r"rank 2 returned with 1 request\(s\) never waited on \(isend; world size 3"),
 ]
 
 

@@ -89,6 +89,19 @@ class GAveraged(torch.autograd.Function):
         return grad, None
 
 
+class GInPlace(torch.autograd.Function):
+    """5.1: g all-reduces its input in place and returns it: the caller's x is overwritten."""
+
+    @staticmethod
+    def forward(ctx, x, group=None):
+        dist.all_reduce(x, group=group)
+        return x.view_as(x)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
 class GReducesBackward(torch.autograd.Function):
     """5.1: g all-reduces in backward too (as if it were f as well)."""
 
@@ -277,6 +290,7 @@ WRONG = [
     ("5.1", "f", apply_of(FWorld), r"sum over all 4 ranks, not over its TP group of 2: pass group=group"),
     ("5.1", "f", apply_of(FInPlace), r"shared with another branch.*all-reduce a copy"),
     ("5.1", "g", apply_of(GAveraged), r"g\(x\) in forward.*the average over the group, not the sum"),
+    ("5.1", "g", apply_of(GInPlace), r"g\(x\) changed x itself: all-reduce a copy \(x.clone\(\)\)"),
     ("5.1", "g", apply_of(GReducesBackward), r"x.grad after g.*g's backward is the identity"),
     ("5.1", "f", SOLUTION["g"], r"f\(x\) in forward.*identity in forward"),
     ("5.2", "ColumnParallelLinear", ColumnGlobalRank,

@@ -73,6 +73,20 @@ def route_no_k_check(x, weight, k, bias=None):
     return Routing(x @ weight.t(), probs, experts, gates / gates.sum(-1, keepdim=True) if k > 1 else gates)
 
 
+def route_k_below_experts(x, weight, k, bias=None):
+    """8.1: `1 <= k < num_experts`: routing every token to all experts is refused."""
+    if not 1 <= k < weight.shape[0]:
+        raise ValueError(f"k={k} experts per token, but the router has {weight.shape[0]} experts")
+    return SOLUTION["route"](x, weight, k, bias)
+
+
+def route_k_zero_accepted(x, weight, k, bias=None):
+    """8.1: only k > experts is checked: k = 0 routes every token nowhere."""
+    if k > weight.shape[0]:
+        raise ValueError(f"k={k} experts per token, but the router has {weight.shape[0]} experts")
+    return SOLUTION["route"](x, weight, max(k, 1), bias)
+
+
 def capacity_floor(tokens, num_experts, k, capacity_factor):
     """8.2: rounded down."""
     return math.floor(capacity_factor * tokens * k / num_experts)
@@ -231,6 +245,9 @@ WRONG = [
     ("8.1", "route", route_bias_in_gates, r"the bias leaked into the gates"),
     ("8.1", "route", route_softmax_over_tokens, r"softmax\(x @ weight.T\) over the experts \(dim=-1\)"),
     ("8.1", "route", route_no_k_check, r"k > experts must raise ValueError"),
+    ("8.1", "route", route_k_below_experts, r"k=8\) with 8 experts .*raised ValueError .*from 1 to the number of "
+                                            r"experts, weight.shape\[0\], inclusive"),
+    ("8.1", "route", route_k_zero_accepted, r"k=0\) with 8 experts returned: k = 0 must raise ValueError"),
     ("8.2", "expert_capacity", capacity_floor, r"round up \(ceil\)"),
     ("8.2", "expert_capacity", capacity_without_k, r"multiply by k"),
     ("8.2", "assign_capacity", assign_token_major, r"hand out all first choices \(token order\), then all second"),

@@ -90,6 +90,15 @@ def encode_e5m2_saturates(value, fmt):
     return encode(value, fmt)
 
 
+def encode_overflow_a_whole_step_late(value, fmt):
+    """E5M2's overflow to inf from max plus a whole step (the half step taken twice over): max plus half a step, the
+    round-to-nearest tie past max, becomes max."""
+    step = fmt.max - decode(0x7A, fmt)  # the code below E5M2's largest finite, 0x7B
+    if fmt.ieee_specials and not math.isnan(value) and fmt.max < abs(value) < fmt.max + step:
+        return (0x80 if value < 0 else 0) | 0x7B
+    return encode(value, fmt)
+
+
 # ---------------------------------------------------------------- 9.2: the loss scaler
 
 
@@ -289,6 +298,7 @@ WRONG = [
     ("9.1", "encode_fp8", encode_ties_away, r"on an exact tie to the code with an even"),
     ("9.1", "encode_fp8", encode_truncates, r"round to nearest"),
     ("9.1", "encode_fp8", encode_e5m2_saturates, r"E5M2 overflows to ±inf"),
+    ("9.1", "encode_fp8", encode_overflow_a_whole_step_late, r"max plus half its step.*from max plus half the step"),
     ("9.2", "MyLossScaler", NeverSkips, r"skip optimizer\.step\(\) when any gradient is inf or NaN"),
     ("9.2", "MyLossScaler", NoUnscale, r"unscale"),
     ("9.2", "MyLossScaler", GrowsEveryCleanStep, r"only after growth_interval consecutive clean steps"),

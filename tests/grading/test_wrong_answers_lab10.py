@@ -8,7 +8,6 @@ library's answer with that one mistake applied to its output, which is exactly w
 
 from __future__ import annotations
 
-import random
 import re
 from collections import Counter
 
@@ -37,12 +36,38 @@ def hash_ratio_inclusive(text):  # '>=' instead of '>': rejects a page with exac
     return quality.passes_quality(text) and not (words and text.count("#") / len(words) >= 0.1)
 
 
+def alphabetic_ratio_over_words(text):
+    """Issue 46 item 26: the 80% alphabetic rule over split_words (pure punctuation dropped), not whitespace tokens."""
+    failure = quality.gopher_quality_failure(text)
+    if failure not in (None, "alpha_words"):
+        return False
+    words = quality.split_words(text)
+    return sum(any(ch.isalpha() for ch in w) for w in words) / len(words) >= 0.8
+
+
 def only_ascii_ellipses(text):  # counts '...' but not the single character '…'
     return quality.passes_quality(text.replace("…", ","))
 
 
 def fifty_words_is_too_few(text):  # 50 < words instead of 50 <= words
     return quality.passes_quality(text) and len(quality.split_words(text)) > 50
+
+
+def mean_word_length_floored(text):  # // for /: a mean of 10.5 letters becomes 10, inside the limit
+    words = quality.split_words(text)
+    if quality.gopher_quality_failure(text) not in (None, "mean_word_length") or not words:
+        return False
+    return 3 <= sum(len(w) for w in words) // len(words) <= 10
+
+
+def mean_word_length_exclusive(text):  # 3 < mean instead of 3 <= mean: a page of 3-letter words is rejected
+    words = quality.split_words(text)
+    return quality.passes_quality(text) and sum(len(w) for w in words) / len(words) > 3
+
+
+def one_word_too_many_allowed(text):  # 100_001 for 100_000
+    failure = quality.gopher_quality_failure(text)
+    return failure is None or (failure == "word_count" and 50 <= len(quality.split_words(text)) <= 100_001)
 
 
 # ---------------------------------------------------------------- 10.2 PII patterns
@@ -100,11 +125,8 @@ class TooFewBands(Reference):
         super().__init__(bands=4, rows=32)
 
 
-class UnverifiedCandidates(Reference):
-    """32 bands x 4 rows and no Jaccard check: every loose candidate counts as a duplicate."""
-
-    def __init__(self):
-        super().__init__(bands=32, rows=4)
+class CandidatesUnverified(Reference):
+    """The LSH's 16 x 8 bands, and every candidate taken for a duplicate without its estimated Jaccard."""
 
     def is_duplicate(self, doc_id, text):
         sketch = self.inner.signature(text)
@@ -112,6 +134,13 @@ class UnverifiedCandidates(Reference):
             return True
         self.inner.lsh.insert(doc_id, sketch)
         return False
+
+
+class UnverifiedCandidates(CandidatesUnverified):
+    """32 bands x 4 rows and no Jaccard check: every loose candidate counts as a duplicate."""
+
+    def __init__(self):
+        super().__init__(bands=32, rows=4)
 
 
 class NeverInserts(Reference):
@@ -165,6 +194,32 @@ def blank_lines_left_behind(texts, min_documents):  # removes the lines, never c
 # ---------------------------------------------------------------- 10.5 token shards
 
 
+def _shard(docs, out_path, encode):
+    spans = [[shards.EOT] + encode(text) for text in docs]
+    shards.atomic_write_bytes(out_path, np.array([t for span in spans for t in span], dtype="<u2").tobytes())
+    offsets = np.cumsum([0] + [len(span) for span in spans[:-1]]).tolist()
+    return offsets
+
+
+def encode_not_ordinary(docs, out_path):  # issue 46 item 24: encode(), which refuses special-token text
+    return _shard(docs, out_path, shards.gpt2_encoding().encode)
+
+
+def encode_with_every_special(docs, out_path):  # encode(allowed_special="all"): page text becomes a special token
+    return _shard(docs, out_path, lambda text: shards.gpt2_encoding().encode(text, allowed_special="all"))
+
+
+def written_in_place(docs, out_path):  # issue 46 item 24: no temporary file, no os.replace
+    spans = [[shards.EOT] + shards.gpt2_encoding().encode_ordinary(text) for text in docs]
+    with open(out_path, "wb") as handle:
+        handle.write(np.array([t for span in spans for t in span], dtype="<u2").tobytes())
+    return np.cumsum([0] + [len(span) for span in spans[:-1]]).tolist()
+
+
+def never_replaced(docs, out_path):  # the shard written to its temporary name and left there
+    return shards.tokenize_to_bin(docs, f"{out_path}.tmp")
+
+
 def no_separator(docs, out_path):
     tokens = [t for d in docs for t in shards.gpt2_encoding().encode_ordinary(d)]
     np.array(tokens, dtype="<u2").tofile(out_path)
@@ -195,7 +250,12 @@ WRONG = [
     ("10.1", one_stop_word_is_enough, r"stop_words"),
     ("10.1", hash_ratio_inclusive, r"10% hashes.*passes every rule"),
     ("10.1", only_ascii_ellipses, r"ellips"),
+    ("10.1", alphabetic_ratio_over_words, r"'75% alphabetic, dashes'.*the alphabetic ratio counts whitespace tokens "
+                                          r"\(text.split\(\)\), dashes and other pure punctuation included"),
     ("10.1", fifty_words_is_too_few, r"'50 words'.*passes every rule"),
+    ("10.1", mean_word_length_floored, r"'mean word length 10.5'.*look at the 'mean_word_length' rule"),
+    ("10.1", mean_word_length_exclusive, r"'mean word length 3'.*passes every rule.*inclusive on the kept side"),
+    ("10.1", one_word_too_many_allowed, r"'100,001 words'.*look at the 'word_count' rule"),
     ("10.2", cards_without_luhn, r"Luhn-invalid"),
     ("10.2", clock_time_as_ipv6, r"clock time \(not an IPv6\)"),
     ("10.2", ipv4_cannot_end_a_sentence, r"IPv4 ending a sentence|expected counts"),
@@ -203,27 +263,26 @@ WRONG = [
     ("10.2", counts_as_one_kind, r"expected counts"),
     ("10.3", TooFewBands, r"recall .*bands x rows"),
     ("10.3", UnverifiedCandidates, r"precision .*verify candidates"),
+    ("10.3", CandidatesUnverified, r"was flagged as a duplicate, but its LSH candidate \S+ has an estimated Jaccard of "
+                                   r"only 0\.\d+: a candidate is a duplicate only when sketch.jaccard"),
     ("10.3", NeverInserts, r"recall .*kept documents are inserted"),
     ("10.3", InvertedAnswer, r"first copy of a document must be kept"),
     ("10.4", occurrences_not_documents, r"counts once"),
     ("10.4", characters_not_bytes, r"characters: count UTF-8 bytes"),
     ("10.4", more_than_min_documents, r"should be removed"),
     ("10.4", blank_lines_left_behind, r"collapse the blank"),
+    ("10.5", never_replaced, r"out_path still holds the file that was there before: .*os.replace\(\) it over"),
     ("10.5", no_separator, r"50256"),
     ("10.5", int32_ids, r"bytes"),
     ("10.5", eot_after_each_document, r"EOT before each document"),
     ("10.5", offsets_past_the_eot, r"expected document offsets"),
+    ("10.5", encode_not_ordinary, r"a document holding the text <\|endoftext\|> made the encoder raise .*use "
+                                  r"encode_ordinary"),
+    ("10.5", encode_with_every_special, r"a document's own text <\|endoftext\|> became the special token 50256: use "
+                                        r"encode_ordinary"),
+    ("10.5", written_in_place, r"out_path was written in place: write the shard to a temporary name beside it, then "
+                               r"os.replace\(\) it"),
 ]
-
-
-@pytest.fixture(autouse=True)
-def fixed_hidden_cases(monkeypatch):
-    """The checkers draw fresh hidden cases on every call, as they do for a student; a wrong answer fails every
-    draw, but which of its mistakes a draw shows first can differ. This table pins the draw it names."""
-    import distlab.grading.lab10 as lab10
-
-    seeded = random.Random
-    monkeypatch.setattr(lab10.random, "Random", lambda seed=None: seeded(2026 if seed is None else seed))
 
 
 @pytest.mark.parametrize("exercise, wrong, names_it", WRONG, ids=[w.__name__ for _, w, _ in WRONG])

@@ -10,6 +10,7 @@ import random
 import re
 import statistics
 import sys
+from pathlib import Path
 
 import cloudpickle
 import pytest
@@ -19,6 +20,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 import distlab
 from distlab.fault_tolerance import (
+    MetricsLog,
     SpikeGuard,
     TrainState,
     find_divergent_replicas,
@@ -64,12 +66,14 @@ class NoDataPosition(TrainState):
         self.step = state["step"]
 
 
-def loop_with(state_class=TrainState, resume=True, honour_fault=True, name_by_index=False):
-    """The notebook's loop, with one of the usual mistakes switched on."""
+def loop_with(state_class=TrainState, resume=True, honour_fault=True, name_by_index=False, recorders=(0,)):
+    """The notebook's loop, with one of the usual mistakes switched on; ``recorders``: the ranks that append to
+    the metrics log."""
 
     def train_resumable(ckpt_dir, steps, save_every, *, attempt=0, fault=None, **setup_kwargs):
         setup = make_training(**setup_kwargs)
         state = state_class(setup.model, setup.optimizer, setup.order)
+        log = MetricsLog(Path(ckpt_dir) / "metrics.jsonl")
         latest = latest_checkpoint(ckpt_dir) if resume else None
         if latest is not None:
             load_checkpoint({"train": state}, latest)
@@ -78,6 +82,8 @@ def loop_with(state_class=TrainState, resume=True, honour_fault=True, name_by_in
             if fault is not None and honour_fault:
                 fault.maybe_kill(dist.get_rank(), step)
             losses[step] = train_step_ddp(setup, setup.order.next_batch())
+            if dist.get_rank() in recorders:
+                log.append(attempt=attempt, step=step, loss=losses[step])
             state.step = step if name_by_index else step + 1  # off by one: the step index, not the updates done
             if (step + 1) % save_every == 0:
                 save_checkpoint({"train": state}, ckpt_dir, step + 1, fault=fault if honour_fault else None)
@@ -100,6 +106,10 @@ RESUME_MISTAKES = [
     ("saves no data position", loop_with(NoDataPosition), "save", r"does not hold the data order's position"),
     ("stores the step index, one short", loop_with(name_by_index=True), "train",
      r"began at step \d+, but the last complete checkpoint holds \d+ steps: one step short: .* must store step ="),
+    ("every rank records its loss", loop_with(recorders=range(8)), "train",
+     r"the metrics log records step \d+ of attempt 1 \d times: only rank 0 records \(if rank == 0\)"),
+    ("no rank records", loop_with(recorders=()), "train",
+     r"the metrics log holds no record of attempt 1: let rank 0 call log.append"),
 ]
 
 
@@ -153,7 +163,22 @@ def one_hash_per_model(model):
     return {rank: names for rank, g in enumerate(gathered) if int(g) != majority}
 
 
+def names_the_intact(model):
+    """``==`` for ``!=``: names, for every replica, the parameters that agree with the majority."""
+    mine = torch.tensor([fingerprint(p) for p in model.parameters()], dtype=torch.int64)
+    gathered = [torch.zeros_like(mine) for _ in range(dist.get_world_size())]
+    dist.all_gather(gathered, mine)
+    out = {}
+    for j, (name, _) in enumerate(model.named_parameters()):
+        majority = statistics.mode(int(g[j]) for g in gathered)
+        for rank, theirs in enumerate(gathered):
+            if int(theirs[j]) == majority:
+                out.setdefault(rank, []).append(name)
+    return out
+
+
 SDC_MISTAKES = [
+    ("== for !=", names_the_intact, r"fingerprints agree with the other replicas..*differs \(!=\) from the most"),
     ("float sums", float_sum_detector, r"bit 0 of .*one unit in the last place.*hash the bits"),
     ("each rank only itself", only_my_own_verdict, r"every rank must reach the same verdict"),
     ("rank 0 as the reference", rank_zero_is_the_reference,
@@ -217,12 +242,50 @@ class CountNeverResets(SpikeGuard):
         return decision
 
 
+class BadAtTheLimit(SpikeGuard):
+    """``>=`` for "exceeds": a loss or gradient norm exactly at factor × the median counts as a spike."""
+
+    def _problem(self, loss, grad_norm):
+        problem = super()._problem(loss, grad_norm)
+        if problem or len(self.losses) < self.warmup:
+            return problem
+        at_limit = (loss >= self.loss_factor * statistics.median(self.losses)
+                    or grad_norm >= self.grad_factor * statistics.median(self.grad_norms))
+        return "at the limit" if at_limit else ""
+
+
+class WarmupOneLate(SpikeGuard):
+    """``len(history) > warmup``: the first step after warm-up is never tested."""
+
+    def _problem(self, loss, grad_norm):
+        if len(self.losses) == self.warmup and math.isfinite(loss) and math.isfinite(grad_norm):
+            return ""
+        return super()._problem(loss, grad_norm)
+
+
+class EitherFinite(SpikeGuard):
+    """``isfinite(loss) or isfinite(grad_norm)``: a NaN gradient norm beside a finite loss reaches the median tests,
+    where every comparison with NaN is False."""
+
+    def _problem(self, loss, grad_norm):
+        if math.isfinite(loss) == math.isfinite(grad_norm):
+            return super()._problem(loss, grad_norm)
+        if len(self.losses) < self.warmup:
+            return ""
+        spike = (loss > self.loss_factor * statistics.median(self.losses)
+                 or grad_norm > self.grad_factor * statistics.median(self.grad_norms))
+        return "spike" if spike else ""
+
+
 GUARD_MISTAKES = [
     ("bad steps enter the history", GullibleGuard, r"Only good steps enter the history"),
     ("NaN passes", NanBlindGuard, r"NaN compares False with everything.*math.isfinite"),
     ("loss only", LossOnlyGuard, r"gradient norm spiked: compare it with its own recent median"),
     ("never rolls back", NeverRollsBack, r"patience-th bad step in a row asks for 'rollback'"),
     ("count never resets", CountNeverResets, r"Too early for 'rollback'.*after a rollback"),
+    ("at the limit is bad (>=)", BadAtTheLimit, r"exactly factor × the recent median.*\(>\), not at it \(>=\)"),
+    ("warm-up one step late", WarmupOneLate, r"first step with warmup = \d good steps known.*len\(history\) >= warmup"),
+    ("isfinite(loss) or isfinite(grad_norm)", EitherFinite, r"NaN compares False with everything.*gradient norm"),
 ]
 
 
@@ -243,6 +306,9 @@ CADENCE_MISTAKES = [
     ("Llama 3's MTBF for every size", lambda n: job_mtbf_hours(16_384), young_interval, r"scale it by 16,384 / N"),
     ("days", lambda n: job_mtbf_hours(n) / 24, young_interval, r"that is in days; the answer is in hours"),
     ("minutes", lambda n: job_mtbf_hours(n) * 60, young_interval, r"that is in minutes"),
+    ("419 read as 420 interruptions", lambda n: 54 * 24 / 420 * 16_384 / n, young_interval,
+     r"= 3\.085714 h, expected 3\.093079 h: Llama 3 saw 419 interruptions in 54 days"),
+    ("sqrt(3δM)", job_mtbf_hours, lambda d, m: math.sqrt(3 * d * m), r"Young's interval is sqrt\(2 δ M\)"),
 ]
 
 

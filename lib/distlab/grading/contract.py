@@ -4,17 +4,20 @@ A checker raises :class:`CheckFailed` saying what differs; ``distlab.check`` (:m
 the outcome into a :class:`CheckResult`, whose :meth:`~CheckResult.line` is the one line a student reads, in
 the notebook and in the feedback an instructor hands back (:mod:`distlab.grading.submissions`). An error in
 the student's code is told in one line too (:func:`describe_error`): its type, its first line, the student's
-own source line. This module imports nothing of distlab, so every other part of grading can stand on it.
+own source line and, when it is one of the common slips with torch and torch.distributed (:data:`SLIPS`, the
+one list of them), which slip. This module imports nothing of distlab, so every other part of grading can
+stand on it.
 """
 
 from __future__ import annotations
 
+import re
 import traceback
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 
 __all__ = ["STUB_MESSAGE", "MARKS", "CheckFailed", "CheckResult", "is_not_attempted", "describe_error",
-           "student_frame", "first_line"]
+           "student_frame", "first_line", "Slip", "SLIPS", "SLIP_SAID", "slip_of"]
 
 # What an untouched exercise raises: ``distlab labs`` writes it into the student's stub, and a check reads a
 # NotImplementedError as "not attempted".
@@ -70,11 +73,14 @@ def is_not_attempted(error: BaseException) -> bool:
 def describe_error(error: BaseException) -> str:
     """One line for an error raised in or by the student's code: its type, first line and, when it was raised
     in this process, the student's line (the innermost frame outside distlab and the libraries), so the
-    student sees where to look rather than a torch internal. A rank's error already names its rank and line."""
+    student sees where to look rather than a torch internal; then, when the error is a common slip
+    (:func:`slip_of`), what the slip is. A rank's error already names its rank and line."""
     kind = type(error).__name__  # a rank's error (RankFailed) names the rank's exception in its first line
     text = f"{kind}: {first_line(error)}" if first_line(error) else kind
     where = student_frame(error)
-    return f"{text} (at {where})" if where else text
+    text = f"{text} (at {where})" if where else text
+    slip = slip_of(error)
+    return f"{text}{SLIP_SAID}{slip.says}" if slip else text
 
 
 def student_frame(error: BaseException) -> str:
@@ -94,3 +100,120 @@ def first_line(error, limit: int = 300) -> str:
     says what happened, the lines after it are tracebacks and per-rank details a result line has no room for."""
     lines = str(error).strip().splitlines()
     return lines[0][:limit] if lines else ""
+
+
+# ---------------------------------------------------------------- common slips, told by their error
+
+@dataclass(frozen=True)
+class Slip:
+    """A common slip with torch or torch.distributed, recognised by the error it raises (``pattern``, searched in
+    the exception's type and whole message) and said in words a student can act on (``says``)."""
+
+    name: str
+    pattern: str
+    says: str
+
+
+# How a result line introduces the slip it names.
+SLIP_SAID = "; the usual slip: "
+# The one list of slips (tests/grading/test_slips.py raises each for real and checks it is named). First match wins.
+SLIPS = [
+    Slip("leaf-updated-in-place", r"a leaf Variable that requires grad is being used in an in-place operation",
+         "a parameter (a tensor with requires_grad=True) updated in place while autograd records: update it "
+         "under `with torch.no_grad():`"),
+    Slip("saved-tensor-modified", r"modified by an inplace operation",
+         "an in-place op (+=, add_, copy_, a collective that reduces in place) changed a tensor autograd saved for "
+         "backward: work on a copy (.clone()) or out of place"),
+    Slip("backward-twice", r"backward through the graph a second time",
+         "backward ran twice through one graph: call it once per forward pass"),
+    Slip("graph-cut", r"does not require grad and does not have a grad_fn",
+         "what backward() starts from is cut off the graph: a .detach(), .item(), torch.no_grad() or a tensor "
+         "rebuilt from values (torch.tensor(...)) sits between the parameters and it"),
+    Slip("backward-of-a-tensor", r"grad can be implicitly created only for scalar outputs",
+         "backward() without an argument needs a scalar: reduce the output first (the loss, .sum()) or pass the "
+         "upstream gradient"),
+    Slip("dtypes-mixed", r"same dtype|different dtypes|expected scalar type|Found dtype",
+         "two dtypes meet (float32 and float64, an integer and a float): make buffers with the input's dtype "
+         "(torch.empty_like(x), dtype=x.dtype)"),
+    Slip("matmul-shapes", r"shapes cannot be multiplied",
+         "a matmul's inner sizes differ: a shard cut along the wrong dimension (rows or columns?), or a weight that "
+         "needs .t()"),
+    Slip("sizes-differ", r"The size of tensor a \(\d+\) must match the size of tensor b|stack expects each tensor "
+         r"to be equal size|Sizes of tensors must match",
+         "tensors of different sizes meet: a shard beside a whole tensor, or chunks of unequal size where the size "
+         "does not divide by the world (split every side the same way)"),
+    Slip("float-size", r"slice indices must be integers|'float' object cannot be interpreted as an integer|"
+         r"must be tuple of ints, not float|must be int, not float|for \^: 'int' and 'float'|for \^: 'float'|"
+         r"tensors used as indices must be long, int, byte or bool",
+         "a size or an index came out a float: / always gives a float; use // (integer division) for sizes and "
+         "indices"),
+    Slip("floor-division-in-autograd", r"derivative for aten::floor_divide is not implemented",
+         "// on a tensor that needs a gradient: floor division has none; divide with /"),
+    Slip("item-of-many", r"elements cannot be converted to Scalar|only one element tensors can be converted",
+         ".item() (or float(), int()) needs a one-element tensor: reduce it first, or index one element"),
+    Slip("collective-returns-none", r"'NoneType'|NoneType'",
+         "a value is None: dist.all_reduce, broadcast, send and recv work in place and return None (a handle "
+         "only with async_op=True), so keep using the tensor you passed; a function without return returns None "
+         "too"),
+    Slip("list-for-a-tensor", r"Expected parameter `\w+` of type torch\.Tensor|must be Tensor, not list",
+         "a collective got a list where it takes one tensor: all_reduce, broadcast and the *_tensor collectives "
+         "take a tensor; all_gather and reduce_scatter (without _tensor) take lists"),
+    Slip("collective-buffer-size", r"invalid tensor size|invalid output tensor list|worldSize == inputShape|"
+         r"Received data size doesn't match expected size|output tensor size must be",
+         "a collective's buffer has the wrong size: all_gather_into_tensor's output (reduce_scatter_tensor's "
+         "input) holds world_size times the shard, and a receive must expect exactly what its peer sends"),
+    Slip("peer-is-this-rank", r"Pair is not connected|destination rank should not be the same|source rank should "
+         r"not be the same",
+         "a send or receive with this rank itself as the peer: a ring's neighbours are (rank + 1) % N and "
+         "(rank - 1) % N, never the rank itself"),
+    Slip("peer-outside-the-group", r"there is no such rank|Invalid (destination|source) rank|invalid root rank",
+         "a send or receive with a rank that does not exist: partners must lie in 0..N-1 (take them modulo N, or "
+         "check that an extra rank's partner is there)"),
+    Slip("outside-the-ranks", r"Default process group has not been initialized",
+         "torch.distributed is used outside the ranks: call it inside the function the ranks run"),
+    Slip("devices-mixed", r"to be on the same device|to be in the same device|is not on the expected device",
+         "tensors on different devices meet: make buffers on the input's device (torch.empty_like(x), "
+         "device=x.device)"),
+    Slip("plain-tensor-parameter", r"as parameter '\w+' \(torch\.nn\.Parameter or None expected\)",
+         "a module's parameter replaced by a plain tensor: wrap it, nn.Parameter(tensor)"),
+    Slip("dim-out-of-range", r"Dimension out of range",
+         "a dim past the tensor's dimensions: they count from 0 (a 2-D tensor has 0 and 1; -1 is the last)"),
+    Slip("index-past-the-end", r"index -?\d+ is out of bounds for dimension|list index out of range",
+         "an index past the end: the global rank where the rank in the group is meant (dist.get_rank(group)), or "
+         "a loop one step too long"),
+    Slip("size-of-another-shape", r"shape '\[[\d, ]*\]' is invalid for input of size",
+         "a .view()/.reshape() to a shape of another number of elements: count what was padded or cut off (the "
+         "last chunk may be shorter)"),
+    Slip("negative-size", r"must be non-negative|invalid shape dimension -\d",
+         "a size came out negative: check the size arithmetic (a ceiling division is -(-a // b))"),
+    Slip("used-before-assigned", r"cannot access (local|free) variable '\w+' where it is not associated with a value|"
+         r"referenced before assignment",
+         "a name is read before the line that assigns it runs: check the order of your statements"),
+    Slip("view-of-a-strided-tensor", r"view size is not compatible with input tensor's size and stride",
+         ".view() needs contiguous memory (a transpose or a slice is not): use .reshape(), or .contiguous().view()"),
+    Slip("tensor-as-a-bool", r"Boolean value of Tensor with more than one value is ambiguous",
+         "a tensor of several values was read as a bool (if x:, and/or) or passed where a flag or a process group "
+         "belongs: use .any() or .all(), and check the order of the call's arguments"),
+    Slip("group-for-a-tensor", r"ProcessGroup' object has no attribute|ProcessGroup' object is not",
+         "a process group was used as a tensor: check the order of the call's arguments (the tensor first, "
+         "group=... after)"),
+    Slip("range-bounds-reversed", r"upper bound and lower bound inconsistent with step sign",
+         "torch.arange(start, end) with end below start: check the order and the arithmetic of the bounds"),
+    Slip("lookup-past-the-rows", r"index out of range in self",
+         "an index past a lookup table's rows (F.embedding, index_select): shift the ids by the shard's first row "
+         "and mask the ids outside it"),
+    Slip("path-of-another-type", r"expected str, bytes or os\.PathLike object, not",
+         "a path was expected and got something else: check the order of the call's arguments, and that the path "
+         "is not None"),
+    Slip("permute-dims", r"permute\(\): duplicate dims are not allowed|number of dims don't match in permute",
+         "permute takes every dim once, in its new place (a permutation of 0..n-1): check the dims listed"),
+    Slip("linear-arguments-swapped", r"t\(\) expects a tensor with <= 2 dimensions",
+         "F.linear(input, weight, bias) takes the 2-D weight second: the arguments are in the other order"),
+]
+
+
+def slip_of(error) -> Slip | None:
+    """The slip an error (or an error's text: a result's "raised …" line) is, or None. A rank's error carries its
+    exception's type (``exc_type``) and the whole report, which are searched too."""
+    text = error if isinstance(error, str) else f"{getattr(error, 'exc_type', '')} {type(error).__name__}: {error}"
+    return next((slip for slip in SLIPS if re.search(slip.pattern, text)), None)

@@ -5,8 +5,11 @@ them lives here, so that every lab draws, runs and compares the same way and a f
 
 * :func:`lab_seed` and :func:`rank_seed`: where hidden cases (fixed in self-study, the grader's when graded)
   and per-rank weights come from;
-* :data:`JOB_TIMEOUT`, :data:`LONG_JOB_TIMEOUT`, :data:`ATOL`, :data:`WEIGHT_ATOL`: what a time limit
-  and a tolerance are for;
+* :class:`Edge` and :func:`case_drawn`: the boundaries each exercise's text names (a size not divisible by the
+  world, N = 2, a value at a threshold), and each hidden case as it is drawn, so a test sees that the cases
+  cover every boundary under every seed;
+* :data:`JOB_TIMEOUT`, :data:`LONG_JOB_TIMEOUT`: what a time limit is for; :func:`tolerance`: the one rule
+  for how close a right answer comes (relative and absolute, from the dtype's epsilon and the terms summed);
 * :func:`run_on_ranks` and :func:`launch_failures_fail_the_check`: a job whose ranks deadlock, disagree
   or never finish becomes a :class:`~distlab.grading.contract.CheckFailed` that says so, not a traceback;
   :func:`rank_group` and :func:`run_job` for a checker that runs several jobs on a group of its own;
@@ -19,10 +22,13 @@ from __future__ import annotations
 
 import ast
 import inspect
+import math
 import os
 import textwrap
 import types
+from collections.abc import Callable
 from contextlib import contextmanager
+from dataclasses import dataclass
 
 import torch
 
@@ -40,10 +46,12 @@ from distlab.runtime.launch import (
 )
 from distlab.workload import build_model, gradient_bytes
 
-__all__ = ["GRADE_SEED_VARIABLE", "JOB_TIMEOUT", "LONG_JOB_TIMEOUT", "ATOL", "WEIGHT_ATOL", "WORLD_SIZES",
+__all__ = ["Edge", "case_drawn", "cases_drawn", "uncovered", "GRADE_SEED_VARIABLE", "JOB_TIMEOUT",
+           "LONG_JOB_TIMEOUT", "ATOL", "WEIGHT_ATOL", "WORLD_SIZES",
            "RANK_GROUP_COLLECTIVE_TIMEOUT", "lab_seed", "rank_seed", "random_tensor", "case_gradient_bytes",
            "raise_if_untouched", "launch_failures_fail_the_check", "run_on_ranks", "rank_group", "run_job", "ops_used",
-           "max_difference", "is_close", "rounding_tolerance", "assert_close", "with_reference"]
+           "max_difference", "Tolerance", "ROUNDING_ULPS", "DEFAULT_TERMS", "tolerance", "is_close", "assert_close",
+           "with_reference"]
 
 # The environment variable through which ``distlab grade`` gives each kernel the seed of its hidden cases.
 GRADE_SEED_VARIABLE = "DISTLAB_GRADE_SEED"
@@ -52,12 +60,6 @@ GRADE_SEED_VARIABLE = "DISTLAB_GRADE_SEED"
 JOB_TIMEOUT = 60.0
 # For jobs of many ranks on few cores, or many training steps per job (labs 03 and 11).
 LONG_JOB_TIMEOUT = 120.0
-# fp32 results computed in another order than the reference's (blocks, shards, ranks): values of order one
-# differ by accumulated rounding, far below what any real mistake changes.
-ATOL = 1e-5
-# Weights after a few SGD steps on ranks against one process on the whole batch: only the order of the
-# gradient reduction differs, so a wrong scaling factor of even 1% is far above it.
-WEIGHT_ATOL = 1e-6
 # The world sizes a checker of collectives runs on: 2, where the next and the previous rank are the same one;
 # 3, odd; 4, a power of two.
 WORLD_SIZES = (2, 3, 4)
@@ -101,6 +103,46 @@ def case_gradient_bytes(case) -> int:
     a tied weight once, frozen weights never. One all-reduce of each per step is what DDP moves, and
     what a DDP or ZeRO step's traffic is held to."""
     return gradient_bytes(build_model(case.model, case.cfg, seed=case.seed))
+
+
+# ---------------------------------------------------------------- the edges each exercise's text names
+
+@dataclass(frozen=True)
+class Edge:
+    """A boundary an exercise's text or docstring states ("a size not divisible by the world size", "N = 2", "a
+    value exactly at the threshold"), as a test on one hidden case's facts (what :func:`case_drawn` recorded).
+    A lab lists them per exercise in ``EDGES``; ``tests/grading/test_edges.py`` runs each reference under
+    several seeds and fails when a seed's cases miss an edge, so a boundary is in the cases by construction,
+    never by the luck of a draw."""
+
+    name: str
+    holds: Callable[[dict], bool]
+
+    def covered_by(self, cases: list[dict]) -> bool:
+        return any(self.holds(case) for case in cases)
+
+
+# Every hidden case drawn in this process since :func:`cases_drawn` was last cleared, as (exercise, facts).
+_CASES: list[tuple[str, dict]] = []
+
+
+def case_drawn(exercise: str, **facts) -> None:
+    """A checker says what a hidden case is as it draws it (world size, sizes, dtype, values at a threshold…):
+    the facts an exercise's :class:`Edge` tests read. It changes nothing in the check."""
+    _CASES.append((exercise, facts))
+
+
+def cases_drawn(exercise: str, clear: bool = False) -> list[dict]:
+    """The facts of ``exercise``'s cases drawn so far in this process; ``clear`` forgets every exercise's."""
+    found = [facts for drawn, facts in _CASES if drawn == exercise]
+    if clear:
+        _CASES.clear()
+    return found
+
+
+def uncovered(edges: list[Edge], cases: list[dict]) -> list[str]:
+    """The names of the edges no case sits on."""
+    return [edge.name for edge in edges if not edge.covered_by(cases)]
 
 
 # ---------------------------------------------------------------- running the student's code
@@ -160,8 +202,8 @@ def launch_failures_fail_the_check(what: str, world_size: int, advice: str = "",
         advice = advice or (f"Hint: {hint}" if hint else "")
         raise CheckFailed(f"{what} {how} on {world_size} ranks: {first_line(error)} {advice}".rstrip()) from None
     except LaunchTimeout:
-        raise CheckFailed(f"{what} did not finish within {timeout:g} s on {world_size} ranks "
-                          "(an endless loop?)") from None
+        raise CheckFailed(f"{what} did not finish within {timeout:g} s on {world_size} ranks: look for an endless "
+                          "loop, or a rank waiting for a message no other rank sends") from None
 
 
 def run_on_ranks(worker, world_size: int, *args, what: str, advice: str = "", kwargs: dict | None = None,
@@ -215,39 +257,116 @@ def max_difference(got: torch.Tensor, expected: torch.Tensor) -> tuple[float, tu
     """
     if not got.numel():
         return 0.0, ()
-    got, expected = got.detach().double(), expected.detach().double()
-    diff = (got - expected).abs()
-    diff = torch.where(torch.isinf(got) & (got == expected), torch.zeros_like(diff), diff)
-    diff = torch.where(torch.isnan(diff), torch.full_like(diff, torch.inf), diff)
+    diff = _differences(got, expected)
     index = tuple(int(i) for i in torch.unravel_index(diff.argmax(), diff.shape))
     return diff.max().item(), index
 
 
-def is_close(got, expected: torch.Tensor, atol: float = ATOL, rtol: float = 0.0) -> bool:
-    """Whether ``got`` is a tensor of ``expected``'s shape within ``atol + rtol·|expected|`` everywhere
-    (equal infinities are close, a NaN never is): the test behind a check, and behind "does the answer
-    match this known mistake?" hints. ``rtol`` for values whose scale varies with the case."""
+def _differences(got: torch.Tensor, expected: torch.Tensor) -> torch.Tensor:
+    got, expected = got.detach().double(), expected.detach().double()
+    diff = (got - expected).abs()
+    diff = torch.where(torch.isinf(got) & (got == expected), torch.zeros_like(diff), diff)
+    return torch.where(torch.isnan(diff), torch.full_like(diff, torch.inf), diff)
+
+
+@dataclass(frozen=True)
+class Tolerance:
+    """How far a right answer may be from the reference: ``|got - expected| ≤ atol + rtol·|expected|``, element by
+    element (:func:`tolerance` says where the two numbers come from)."""
+
+    rtol: float
+    atol: float
+    dtype: torch.dtype = torch.float32
+
+    def bound(self, expected: torch.Tensor) -> torch.Tensor:
+        """The largest difference allowed at each element of ``expected``."""
+        return self.atol + self.rtol * expected.detach().double().abs().nan_to_num(posinf=0.0, neginf=0.0)
+
+    def holds(self, got: float, expected: float) -> bool:
+        """The rule on two numbers (a formula's result against the library's)."""
+        return math.isfinite(got) and abs(got - expected) <= self.atol + self.rtol * abs(expected)
+
+    def round_off_sized(self, difference: float, magnitude: float) -> bool:
+        """Whether a difference of a tolerance's size, though over it, is still rounding's size rather than a wrong
+        formula's: below √eps of the values compared (3.5e-4 in fp32), where no mistake in a formula lands but a
+        sum in a lower precision, or of many more terms in another order, does. Its hint then says so instead of
+        the exercise's usual mistake (a correct softmax told to "subtract the max" is sent to fix what is right)."""
+        return difference <= math.sqrt(_eps(self.dtype)) * max(magnitude, 1.0)
+
+
+# Units in the last place one rounding may move a result that a right answer computes in another order than the
+# reference (other blocks, shards, ranks or kernels); over n terms summed such errors grow like √n.
+ROUNDING_ULPS = 16
+# The terms a compared value sums when its checker does not say: a dot product of a small hidden case's width.
+DEFAULT_TERMS = 64
+
+
+def _eps(dtype: torch.dtype) -> float:
+    return torch.finfo(dtype).eps if dtype.is_floating_point else 0.0
+
+
+def tolerance(expected, *, dtype: torch.dtype | None = None, terms: int = DEFAULT_TERMS, scale: float | None = None,
+              atol: float = 0.0, rtol: float = 0.0) -> Tolerance:
+    """The one rule for how close a right answer comes to the reference, from the arithmetic that made it.
+
+    ``rtol = ROUNDING_ULPS · eps · √terms``: rounding in the dtype the values are computed in (``dtype``,
+    ``expected``'s by default; 16-bit floats accumulate in fp32, as torch's reductions and matmuls do, and are then
+    rounded once more, two units in their own last place), over the ``terms`` each value sums. ``atol = rtol ·
+    scale``: the same rounding at the magnitude compared, the largest finite ``|expected|`` (a sum that cancels
+    passes the magnitude of its terms as ``scale``), and never below one, so values of order one and smaller are
+    held to the absolute rounding of order one. A loss of 128 in fp32 is then allowed 128 times what a loss of 1
+    is, and a float64 case is held to float64's rounding. A checker's own ``atol``/``rtol`` (the labs written
+    before this rule) are floors: the rule never makes a check tighter than its checker asked.
+    """
+    if dtype is None:
+        dtype = expected.dtype if isinstance(expected, torch.Tensor) else torch.float64
+    accumulate = torch.float32 if dtype.is_floating_point and torch.finfo(dtype).bits == 16 else dtype
+    rounding = ROUNDING_ULPS * _eps(accumulate) * math.sqrt(max(terms, 1)) + (
+        2 * _eps(dtype) if accumulate != dtype else 0.0)
+    if scale is None:
+        scale = _magnitude(expected)
+    return Tolerance(max(rtol, rounding), max(atol, rounding * max(scale, 1.0)), dtype)
+
+
+def _magnitude(values) -> float:
+    """The largest finite ``|value|`` (a masked row's ``-inf`` does not count), 0 for none."""
+    if not isinstance(values, torch.Tensor):
+        return abs(float(values)) if math.isfinite(float(values)) else 0.0
+    finite = values.detach().double().abs()
+    finite = finite[torch.isfinite(finite)]
+    return finite.max().item() if finite.numel() else 0.0
+
+
+# What :func:`tolerance` allows fp32 values of order one: the absolute tolerance checkers written before the rule
+# name (``atol=ATOL``), kept as their floor.
+ATOL = tolerance(torch.ones(1)).atol
+# Weights after a few SGD steps on ranks against one process on the whole batch: only the order of the
+# gradient reduction differs, so a wrong scaling factor of even 1% is far above it.
+WEIGHT_ATOL = 1e-6
+
+
+def is_close(got, expected: torch.Tensor, atol: float = 0.0, rtol: float = 0.0, **rule) -> bool:
+    """Whether ``got`` is a tensor of ``expected``'s shape within :func:`tolerance` everywhere (equal infinities are
+    close, a NaN never is): the test behind a check, and behind "does the answer match this known mistake?"
+    hints. ``rule``: :func:`tolerance`'s ``dtype``, ``terms`` and ``scale``; ``atol``/``rtol``: floors."""
     if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(expected.shape):
         return False
-    return bool(torch.isclose(got.detach().double(), expected.detach().double(), rtol=rtol, atol=atol).all())
+    if not got.numel():
+        return True
+    allowed = tolerance(expected, atol=atol, rtol=rtol, **rule)
+    return bool((_differences(got, expected) <= allowed.bound(expected)).all())
 
 
-def rounding_tolerance(expected: torch.Tensor, ulps: int = 64) -> float:
-    """What summing a few terms in another order (a ring's, a tree's) can change in ``expected``: ``ulps`` units
-    in the last place of its dtype, at its largest magnitude (at least 1). A float64 case is held to float64's
-    rounding, far tighter than :data:`ATOL`."""
-    eps = torch.finfo(expected.dtype).eps if expected.is_floating_point() else 0.0
-    largest = expected.detach().abs().max().item() if expected.numel() else 0.0
-    return ulps * eps * max(1.0, largest)
-
-
-def assert_close(where: str, what: str, got, expected: torch.Tensor, atol: float = ATOL, hint: str = "",
-                 same_dtype: bool = False) -> None:
+def assert_close(where: str, what: str, got, expected: torch.Tensor, atol: float = 0.0, hint="",
+                 same_dtype: bool = False, **rule) -> None:
     """Raise :class:`CheckFailed` unless ``got`` is a tensor of ``expected``'s shape (and, with ``same_dtype``,
-    its dtype) within ``atol`` everywhere.
+    its dtype) within :func:`tolerance` everywhere (``rule``: its ``dtype``, ``terms``, ``scale``, ``rtol``;
+    ``atol``: a floor).
 
-    The message starts with ``where`` (the case, the rank) and ``what`` (the tensor), then says how far
-    off it is and shows the worst element beside its expected value, then ``hint``: the usual cause.
+    The message starts with ``where`` (the case, the rank) and ``what`` (the tensor), then says how far off it is
+    and shows the worst element beside its expected value, then ``hint``: the usual cause, a text or a function of
+    ``(got, expected)`` that chooses it by what differs ("" for none that fits). A difference of rounding's size
+    gets no hint (a right formula computed in a lower precision would be sent to fix what is right) but says so.
     """
     if not isinstance(got, torch.Tensor):
         raise CheckFailed(f"{where}: {what} should be a tensor, got {type(got).__name__}")
@@ -255,11 +374,27 @@ def assert_close(where: str, what: str, got, expected: torch.Tensor, atol: float
         raise CheckFailed(f"{where}: {what} has shape {tuple(got.shape)}, expected {tuple(expected.shape)}")
     if same_dtype and got.dtype != expected.dtype:
         raise CheckFailed(f"{where}: {what} has dtype {got.dtype}, expected {expected.dtype}")
-    diff, index = max_difference(got, expected)
-    if diff > atol:
-        raise CheckFailed(f"{where}: {what} differs from the reference by up to {diff:.3g}, more than {atol:g} "
-                          f"(at {list(index)}: {got[index].item():.6g}, expected {expected[index].item():.6g})"
-                          + (f": {hint}" if hint else ""))
+    if not got.numel():
+        return
+    allowed = tolerance(expected, atol=atol, **rule)
+    diff, bound = _differences(got, expected), allowed.bound(expected)
+    excess = diff / bound.clamp_min(torch.finfo(torch.float64).tiny)
+    if bool((diff <= bound).all()):
+        return
+    index = tuple(int(i) for i in torch.unravel_index(excess.argmax(), excess.shape))
+    worst = diff[index].item()
+    if allowed.round_off_sized(worst, _magnitude(expected)):
+        why = (f"a difference of rounding's size, not a wrong formula: compute in {_dtype_name(allowed.dtype)} "
+               "(not a lower precision) and sum in a stable order")
+    else:
+        why = hint(got, expected) if callable(hint) else hint
+    raise CheckFailed(f"{where}: {what} differs from the reference by up to {worst:.3g}, more than {bound[index]:.3g} "
+                      f"(at {list(index)}: {got[index].item():.6g}, expected {expected[index].item():.6g})"
+                      + (f": {why}" if why else ""))
+
+
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).replace("torch.", "")
 
 
 # ---------------------------------------------------------------- grading one exercise on its own

@@ -16,13 +16,15 @@ from distlab.grading import quiz
 from distlab.grading.contract import CheckFailed
 from distlab.grading.harness import (
     WORLD_SIZES,
+    Edge,
     assert_close,
+    case_drawn,
     is_close,
+    lab_seed,
     ops_used,
     raise_if_untouched,
     random_tensor,
     rank_group,
-    rounding_tolerance,
     run_job,
 )
 from distlab.grading.registry import Exercise
@@ -39,33 +41,65 @@ def _dtype_text(dtype: torch.dtype) -> str:
 # ---------------------------------------------------------------- 0.1 rank, world size, one all-reduce
 
 def _rank_sum_job(student_fn):
-    value = student_fn()
-    return value, ops_used()
+    """The student's value, their op counts, and what each of their all-reduces produced: the tensor handed to
+    ``dist.all_reduce``, read after the function returns (the real collective runs; this only looks)."""
+    handed = []
+    real = dist.all_reduce
+
+    def watched(tensor, *args, **kwargs):
+        handed.append(tensor)
+        return real(tensor, *args, **kwargs)
+
+    dist.all_reduce = watched
+    try:
+        value = student_fn()
+    finally:
+        dist.all_reduce = real
+    produced = [_number(t.detach().clone()) for t in handed if isinstance(t, torch.Tensor)]
+    return value, ops_used(), produced
 
 
 def check_rank_sum(student_fn) -> str:
-    """``student_fn()`` on each rank returns (rank, world_size, sum of all rank ids) using one all_reduce."""
+    """``student_fn()`` on each rank returns (rank, world_size, sum of all rank ids) using one all_reduce, and the
+    total it returns is what that all-reduce produced (not a formula beside a dummy all-reduce)."""
     raise_if_untouched(student_fn)
     for n in WORLD_SIZES:
+        case_drawn("0.1", world=n)
         with rank_group(n, "your function") as ranks:
             run = run_job(ranks, _rank_sum_job, student_fn)
-        for r, (value, ops) in enumerate(run):
+        for r, (value, _, _) in enumerate(run):  # what every rank says it is, before what it summed
             if not isinstance(value, (tuple, list)) or len(value) != 3:
                 raise CheckFailed(f"rank {r} of {n} returned {value!r}; return a tuple (rank, world_size, total)")
-            rank, world, total = value
+            rank, world, _ = value
             if _number(rank) != r:
                 raise CheckFailed(f"rank {r} of {n} returned rank={_number(rank)!r}; use dist.get_rank()")
             if _number(world) != n:
                 raise CheckFailed(f"rank {r} of {n} returned world_size={_number(world)!r}; "
                                   "use dist.get_world_size()")
-            want = n * (n - 1) // 2
-            if _number(total) != want:
-                raise CheckFailed(f"rank {r} of {n}: the sum of rank ids should be {want}, got {_number(total)!r}")
+        for r, (value, ops, produced) in enumerate(run):
             calls = ops.get("all_reduce", 0)
             if calls != 1:
                 raise CheckFailed(f"rank {r} of {n} called dist.all_reduce {calls} times; compute the sum "
                                   "with exactly one all_reduce")
+            total, want = _number(value[2]), n * (n - 1) // 2
+            if produced and total != produced[0]:
+                raise CheckFailed(f"rank {r} of {n} returned total={total!r}, but its all_reduce produced "
+                                  f"{produced[0]!r}: return the all-reduced value (total.item()), not a formula")
+            if total != want:
+                raise CheckFailed(f"rank {r} of {n}: the sum of rank ids should be {want}, got {total!r}: "
+                                  + _sum_mistake(total, n))
     return "rank, world size and one all_reduce correct on 2, 3 and 4 ranks"
+
+
+def _sum_mistake(total, n: int) -> str:
+    """What a wrong all-reduced sum of rank ids usually means."""
+    if total == n:
+        return "that counts the ranks: each rank should put its own id (dist.get_rank()) in the tensor, not 1"
+    if total == n * (n + 1) // 2:
+        return "that sums rank + 1: rank ids start at 0"
+    if total == 0:
+        return "every rank put 0 in: each rank should put its own id (dist.get_rank()) in the tensor"
+    return "all-reduce a tensor holding this rank's id, dist.get_rank(), and read the sum back"
 
 
 def _number(value):
@@ -86,30 +120,48 @@ def _mean_job(student_fn, shape, dtype, seed):
     got = student_fn(x.clone())
     if isinstance(got, torch.Tensor):
         got = got.detach().clone()
-    expected = x.clone()
-    dist.all_reduce(expected)
-    expected /= n
-    return got, expected
+    summed = x.clone()
+    dist.all_reduce(summed)
+    return got, summed / n, summed
+
+
+def _mean_mistake(mine: torch.Tensor, summed: torch.Tensor, n: int):
+    """The hint for a wrong mean, chosen by what it equals (this rank's input ``mine``, the ``summed`` tensor)."""
+    def hint(got: torch.Tensor, expected: torch.Tensor) -> str:
+        if is_close(got, summed, terms=n):
+            return f"that is the sum over {n} ranks: divide by the world size"
+        if is_close(got, torch.div(summed, n, rounding_mode="floor"), terms=n):
+            return "that is the mean rounded down to whole numbers: // is floor division; divide with /"
+        if is_close(got, summed * n, terms=n):
+            return f"that is the sum multiplied by the world size {n}: divide by it"
+        if is_close(got, mine / n, terms=n) or is_close(got, mine, terms=n):
+            return "that is this rank's own tensor: all-reduce it before dividing, and return the reduced one"
+        for k in range(1, 9):
+            if k != n and is_close(got, summed / k, terms=n):
+                return f"that is the sum divided by {k}, not by the world size {n}: use dist.get_world_size()"
+        return ""
+    return hint
 
 
 def check_mean_across_ranks(student_fn) -> str:
     """``student_fn(tensor)`` returns the element-wise mean of every rank's tensor."""
     raise_if_untouched(student_fn)
-    rng = random.Random()
+    rng = random.Random(lab_seed(0))
     cases = 0
     for n in WORLD_SIZES:
         shapes = [(rng.randint(1, 40),), (rng.randint(1, 6), rng.randint(1, 9))]
         with rank_group(n, "your function") as ranks:
             for shape, dtype in zip(shapes, (torch.float32, torch.float64)):
-                run = run_job(ranks, _mean_job, student_fn, shape, dtype, rng.randrange(10**6))
+                case_drawn("0.2", world=n, shape=shape, dtype=dtype)
+                seed = rng.randrange(10**6)
+                run = run_job(ranks, _mean_job, student_fn, shape, dtype, seed)
                 cases += 1
-                for r, (got, expected) in enumerate(run):
+                for r, (got, expected, summed) in enumerate(run):
                     if got is None:
                         raise CheckFailed(f"rank {r} returned None; return the averaged tensor")
-                    summed = is_close(got, expected * n, atol=1e-4, rtol=1e-4) and bool(expected.abs().max() > 1e-6)
                     assert_close(f"rank {r} (world size {n}, {_shape_text(shape)} {_dtype_text(dtype)})", "the mean",
-                                 got, expected, atol=rounding_tolerance(expected), same_dtype=True,
-                                 hint=f"that is the sum over {n} ranks: divide by the world size" if summed else "")
+                                 got, expected, terms=n, same_dtype=True,
+                                 hint=_mean_mistake(random_tensor(shape, dtype, seed, r), summed, n))
     return f"matches all_reduce / world_size on {cases} random tensors, 2-4 ranks"
 
 
@@ -131,6 +183,27 @@ QUIZ = [
     quiz.choice("Q0.5", "what the other ranks do when one skips a collective", answer="b", options="abc",
                 hint="the chapter, 'The model': a collective completes only when every rank of the group calls it"),
 ]
+
+# The boundaries each exercise's text names, each a test on one hidden case (harness.Edge, tests/grading/
+# test_reference_seeds.py): 0.1 "the checker runs it on 2, 3 and 4 ranks"; 0.2 "float32 or float64", any shape.
+EDGES = {
+    "0.1": [Edge("2 ranks", lambda c: c["world"] == 2),
+            Edge("an odd number of ranks (3)", lambda c: c["world"] == 3),
+            Edge("4 ranks", lambda c: c["world"] == 4)],
+    "0.2": [Edge("float32", lambda c: c["dtype"] == torch.float32),
+            Edge("float64", lambda c: c["dtype"] == torch.float64),
+            Edge("a 2-D tensor", lambda c: len(c["shape"]) == 2),
+            Edge("2 ranks", lambda c: c["world"] == 2),
+            Edge("an odd number of ranks", lambda c: c["world"] % 2 == 1)],
+}
+
+# Mutants of the reference that compute the same thing (distlab notebooks mutants), each with why.
+EQUIVALENT_MUTANTS = {
+    "0.1 call-removed: `total.item()` → `total`": "a one-element tensor is accepted as the total (the text's .item() "
+                                                 "is a hint, and the checker reads either)",
+    "0.2 call-removed: `tensor.clone()` → `tensor`": "reducing the argument in place returns the same mean; the text "
+                                                     "asks for the returned value only",
+}
 
 EXERCISES = [
     Exercise("0.1", "ranks, world size and a first all-reduce", 1, check_rank_sum),

@@ -731,6 +731,46 @@ QUESTIONS = [
                      "formulas' and section 1's table"),
 ]
 
+# Surviving mutants of the solution cells that change nothing the exercises ask for (distlab notebooks
+# mutants): key, as benchmarks/results/mutants.txt names it → why it is equivalent.
+EQUIVALENT_MUTANTS = {
+    '4.1 call-removed: `shard.clone()` → `shard`':
+        "the shard is this rank's own slice of flat, so the all-gather is the in-place form (the send buffer is its "
+        'slot of the receive buffer), which the collective allows: the copy is not needed',
+    '4.1 statements-swapped: `for p, view in zip(params, layout.views(flat)): p.data = view # the m…` → `shard = '
+    'layout.shard(flat, self.rank) # the model computes with our b…`':
+        "two statements that do not read each other's names, in the other order",
+    '4.1 statements-swapped: `grads = layout.flatten([p.grad for p in layout.params], dtype=torch.f…` → `shard.grad '
+    '= torch.empty_like(shard) grads = layout.flatten([p.grad f…`':
+        "two statements that do not read each other's names, in the other order",
+    '4.1 statements-swapped: `if self.optim is None: self.optim = self.optimizer_class([inner_group…` → '
+    '`self.flats.append((layout, flat, shard)) if self.optim is None: self.…`':
+        "two statements that do not read each other's names, in the other order",
+    '4.2 statements-swapped: `flat.grad_shard = (shard / world).to(flat.dtype) for p in flat.params…` → `for p in '
+    'flat.params: p.grad = None flat.grad_shard = (shard / world)…`':
+        'the full gradients are freed before the shard is scaled instead of after: the shard is a buffer of its own, '
+        'already reduced',
+    '4.2 statements-swapped: `world = dist.get_world_size() grads = flat.layout.flatten([p.grad for…` → `grads = '
+    'flat.layout.flatten([p.grad for p in flat.params], dtype=torc…`':
+        "two statements that do not read each other's names, in the other order",
+    '4.4 statements-swapped: `p.copy_(master) p.grad = master.grad = None` → `p.grad = master.grad = None '
+    'p.copy_(master)`':
+        "two statements that do not read each other's names, in the other order",
+    '4.6 arguments-swapped: `max(0, min(chunk, g.shape[0] - rank * chunk))` → `max(min(chunk, g.shape[0] - rank * '
+    'chunk), 0)`':
+        'max is symmetric',
+    '4.6 arguments-swapped: `min(chunk, g.shape[0] - rank * chunk)` → `min(g.shape[0] - rank * chunk, chunk)`':
+        'min is symmetric',
+    '4.6 statements-swapped: `mine /= world shards, offset = [], 0` → `shards, offset = [], 0 mine /= world`':
+        "two statements that do not read each other's names, in the other order",
+    '4.6 statements-swapped: `padded[:g.shape[0]] = g # the cast to fp32 happens here send.append(p…` → '
+    '`send.append(padded.view(world, -1)) # the cast to fp32 happens here p…`':
+        'send holds a view of padded, which the next line fills in place: the same values are sent',
+    '4.6 statements-swapped: `send.append(padded.view(world, -1)) rows.append((chunk, max(0, min(ch…` → '
+    '`rows.append((chunk, max(0, min(chunk, g.shape[0] - rank * chunk)))) s…`':
+        "two statements that do not read each other's names, in the other order",
+}
+
 EXERCISES = [
     Exercise("4.1", "ZeRO-1: a sharded optimizer around any torch optimizer", 4, check_sharded_optimizer,
              references=("distlab.zero.optim.ShardedOptimizer",)),

@@ -4,9 +4,10 @@ Every case is either one TP group of 4 ranks or two TP groups of 2 (ranks 0-1 an
 collective without ``group=`` or a slice taken with the global rank shows up. Inputs, weights
 and upstream gradients are drawn from a fixed-seed generator; the parent process builds the
 same dense layer and compares every rank's output, input gradient and parameter gradients
-with the matching slices of the dense ones (fp32, 1e-5), and the collectives each phase
-issued (from distlab's comm log) with what Megatron-LM's layer issues. Failure messages name
-the case, the rank, the tensor and, where a mistake has a signature, its usual cause — also when it
+with the matching slices of the dense ones (fp32, to what rounding allows:
+:func:`~distlab.grading.harness.tolerance`), and the collectives each phase issued (from distlab's
+comm log) with what Megatron-LM's layer issues. Failure messages name the case, the rank, the tensor
+and, where a mistake has a signature, its usual cause — also when it
 surfaces as a rank's error (autograd's "invalid gradient", an index past the weight on rank 2).
 An exercise built on earlier ones (5.2 on f and g, 5.3–5.5 on the linears) runs on distlab's versions
 of those pieces (:func:`~distlab.grading.harness.with_reference`), so a mistake fails only its own check.
@@ -29,7 +30,7 @@ import torch.nn.functional as F
 from distlab.collectives import ring_all_reduce_time
 from distlab.grading import quiz
 from distlab.grading.contract import CheckFailed, first_line
-from distlab.grading.harness import assert_close, is_close, lab_seed, run_on_ranks, with_reference
+from distlab.grading.harness import Edge, assert_close, case_drawn, is_close, lab_seed, run_on_ranks, with_reference
 from distlab.grading.registry import Exercise
 from distlab.memory import MiB
 from distlab.model import Block, GPTConfig
@@ -82,11 +83,11 @@ class Case:
 
 
 def _cases(rng: random.Random, **dims) -> list[Case]:
-    """Two cases: tp=2 (two groups, with biases) and tp=4, with random sizes divisible by 4."""
+    """Two cases: tp=2 (two groups, with biases) and tp=4 (no bias), with random sizes divisible by 4."""
     out = []
     for tp in (2, 4):
         case = Case(tp=tp, seed=rng.randrange(10**6), batch=rng.randint(1, 3), seq_len=4 * rng.randint(1, 3),
-                    d_in=4 * rng.randint(2, 6), d_out=4 * rng.randint(2, 6), bias=tp == 2 or rng.random() < 0.5)
+                    d_in=4 * rng.randint(2, 6), d_out=4 * rng.randint(2, 6), bias=tp == 2)  # with a bias and without
         for key, value in dims.items():
             setattr(case, key, value(rng) if callable(value) else value)
         out.append(case)
@@ -195,13 +196,15 @@ def _stub_probe(*calls) -> None:
 
 # ---------------------------------------------------------------- comparing
 
-def _expect(case, rank: int, what: str, got, expected, hint: str = "") -> None:
+def _expect(case, rank: int, what: str, got, expected, hint: str = "", terms: int | None = None) -> None:
     """``what`` on ``rank`` equals the dense layer's slice (:func:`assert_close`), named like the checks beside it;
-    a wrong shape gets the hint too (a slice of the wrong dimension is the usual cause)."""
+    a wrong shape gets the hint too (a slice of the wrong dimension is the usual cause). ``terms``: the widest sum
+    behind the value (the case's widest layer by default), which the rounding allowed grows with."""
     if hint and isinstance(got, torch.Tensor) and tuple(got.shape) != tuple(expected.shape):
         raise CheckFailed(f"{case}, rank {rank}: {what} has shape {tuple(got.shape)}, expected "
                           f"{tuple(expected.shape)}: {hint}")
-    assert_close(f"{case}, rank {rank}", what, got, expected, hint=hint)
+    assert_close(f"{case}, rank {rank}", what, got, expected, hint=hint,
+                 terms=terms or 4 * max(case.d_in, case.d_out, case.batch * case.seq_len))
 
 
 def _describe(counts: dict) -> str:
@@ -259,6 +262,7 @@ def _worker_conjugate(f, g, case: Case) -> dict:
     y = g(zg, group)
     out["g forward"] = comm_since(before)
     out["g output"] = y.detach().clone()
+    out["g input after"] = zg.detach().clone()  # the caller's x, which g must leave as it was
     before = comm_snapshot()
     (y * v).sum().backward()
     out["g backward"] = comm_since(before)
@@ -273,6 +277,7 @@ def check_conjugate_functions(f, g) -> str:
     rng = random.Random(_seed() + 1)
     cases = _cases(rng)
     for case in cases:
+        case_drawn("5.1", tp=case.tp, bias=case.bias, d_in=case.d_in, d_out=case.d_out)
         run = _launch(_worker_conjugate, f, g, case)
         shape = (case.batch, case.seq_len, case.d_in)
         nbytes = 4 * case.batch * case.seq_len * case.d_in
@@ -304,6 +309,9 @@ def check_conjugate_functions(f, g) -> str:
                     f"the average over the group, not the sum: each of the {case.tp} ranks holds a partial sum of "
                     f"the output, so g adds them (no division)" if averaged else
                     "g returns the sum of x over the TP group (all-reduce a copy on the group)")
+            if not torch.equal(out["g input after"], _randn(shape, case.seed, 3, rank)):
+                raise CheckFailed(f"{case}, rank {rank}: g(x) changed x itself: all-reduce a copy (x.clone()) and "
+                                  f"return it, since the caller may still use x")
             _expect(case, rank, "x.grad after g", out["g grad"], _randn(shape, case.seed, 4, rank // case.tp),
                     "g's backward is the identity: the output's gradient is already the same on every rank")
             _expect_collectives(case, rank, "g in forward", out["g forward"], {"all_reduce": (1, nbytes)})
@@ -373,6 +381,7 @@ def check_parallel_linears(column_cls, row_cls) -> str:
     rng = random.Random(_seed() + 2)
     cases = _cases(rng)
     for case in cases:
+        case_drawn("5.2", tp=case.tp, bias=case.bias, d_in=case.d_in, d_out=case.d_out)
         run = _launch(_worker_linears, column_cls, row_cls, case)
         dense = _dense_linear(case)
         x = _randn((case.batch, case.seq_len, case.d_in), case.seed, 12)
@@ -411,7 +420,8 @@ def check_parallel_linears(column_cls, row_cls) -> str:
             _expect_parameters(case, rank, "RowParallelLinear", res["grads"], names)
             _expect(case, rank, "RowParallelLinear.weight's gradient", res["grads"]["weight"],
                     grads_row["weight"][:, cols], "a row-parallel layer keeps columns (input features) of dense.weight")
-            hint = ""
+            hint = ("rank r multiplies its columns of x by its columns of dense.weight (x[..., cols] @ "
+                    "weight[:, cols].T), g sums the partial products over the TP group, then the bias is added once")
             if "all_reduce" not in res["forward"]:
                 hint = ("no all-reduce in forward, so each rank returned its partial product: sum it over the TP "
                         "group with g, then add the bias")
@@ -463,6 +473,7 @@ def _check_module(module_cls, kind: str, rng: random.Random, what: str, heads, h
     cases = _cases(rng)
     for case in cases:
         n_head = heads(rng, case)
+        case_drawn({"mlp": "5.3", "attn": "5.4"}[kind], tp=case.tp, bias=case.bias, n_head=n_head, d_in=case.d_in)
         run = _launch(_worker_module, module_cls, kind, case, n_head)
         cfg = _module_cfg(case, n_head)
         dense = getattr(_dense_block(cfg, case.seed), kind)
@@ -500,10 +511,11 @@ def check_parallel_mlp(mlp_cls) -> str:
 def check_parallel_attention(qkv_rows_fn, attention_cls) -> str:
     """5.4: ``qkv_rows(d_model, n_head, tp, rank)`` and ``TensorParallelAttention(attn, group)``."""
     rng = random.Random(_seed() + 4)
-    for _ in range(6):
-        tp = rng.choice([2, 4, 8])
-        head_dim, n_head = rng.choice([2, 4, 8]), tp * rng.randint(1, 3)
+    for k in range(6):
+        tp = rng.choice([2, 4, 8]) if k else 8  # the first: 8 ranks, one head each
+        head_dim, n_head = rng.choice([2, 4, 8]), tp * (rng.randint(1, 3) if k else 1)  # the first: a head per rank
         d_model, rank = n_head * head_dim, rng.randrange(tp)
+        case_drawn("5.4", layout=True, tp=tp, n_head=n_head, rank=rank)
         expected = qkv_rows(d_model, n_head, tp, rank)
         got = qkv_rows_fn(d_model, n_head, tp, rank)
         got = torch.as_tensor(got).flatten()
@@ -522,8 +534,13 @@ def check_parallel_attention(qkv_rows_fn, attention_cls) -> str:
             raise CheckFailed(f"qkv_rows(d_model={d_model}, n_head={n_head}, tp={tp}, rank={rank}) returned "
                               f"{got.tolist()[:8]}…, expected {expected.tolist()[:8]}…{hint}")
     _check_module(attention_cls, "attn", rng, "TensorParallelAttention",
-                  lambda rng, case: case.tp * rng.randint(1, 2) if case.d_in % (2 * case.tp) == 0 else case.tp,
+                  # tp=2: always two heads a rank (d_in is a multiple of 4); tp=4: one or two where d_in allows
+                  lambda rng, case: 2 * case.tp if case.tp == 2 else (
+                      case.tp * rng.randint(1, 2) if case.d_in % (2 * case.tp) == 0 else case.tp),
                   {"qkv.weight": "keep the q, k and v rows of this rank's heads (qkv_rows)",
+                   "output": "each rank attends with its own n_head/tp heads: split qkv(x) into q, k, v, view each "
+                             "as [B, T, heads, head_dim] and transpose to [B, heads, T, head_dim] for causal "
+                             "attention, transpose back, then proj (row-parallel: the columns of the same heads)",
                    "proj.weight": "proj is row-parallel: keep the columns of this rank's heads"})
     return ("6 head layouts; tp=2 (two groups) and tp=4: output and every gradient equal the dense attention; "
             "one all-reduce each way (run on distlab's linears, so 5.2 does not count here)")
@@ -558,6 +575,30 @@ def _worker_vocab(embedding_cls, loss_fn, case: Case) -> dict:
     return out
 
 
+# exp() of a float32 overflows to inf above this: log(float32's largest value, 3.4e38).
+EXP_OVERFLOWS_FP32_ABOVE = 88.72
+
+
+def _loss_mistake(got_loss, got_grad, expected: torch.Tensor, tokens: int, logits: torch.Tensor) -> str:
+    """The usual cause the rank's loss and gradient show, chosen by what differs, or "": a loss or gradient that
+    is not finite where the logits pass exp()'s range (no max subtracted), or the loss summed over the tokens."""
+    finite = all(isinstance(t, torch.Tensor) and bool(torch.isfinite(t).all()) for t in (got_loss, got_grad))
+    largest = logits.abs().max().item()
+    if not finite and largest > EXP_OVERFLOWS_FP32_ABOVE:
+        return (f"your loss or gradient is not finite: these logits reach {largest:.0f}, and exp() overflows fp32 "
+                f"past {EXP_OVERFLOWS_FP32_ABOVE}: subtract the max over the whole vocabulary (all-reduce with "
+                f"op=MAX) before exp")
+    if isinstance(got_loss, torch.Tensor) and is_close(got_loss.reshape(()), expected * tokens):
+        return f"that is the sum over the {tokens} tokens: return the mean"
+    return ""
+
+
+# Where to look when the loss differs and no usual mistake fits: the pieces of the formula and who holds them.
+_LOSS_FORMULA = ("the loss is the mean over tokens of log Σ exp(z − max) − (z_target − max): each rank sums exp over "
+                 "its own slice and all-reduces that sum on the group, and the one rank holding the target's logit "
+                 "contributes it (zero elsewhere, all-reduced too)")
+
+
 def check_vocab_parallel(embedding_cls, loss_fn) -> str:
     """5.5: ``VocabParallelEmbedding(embedding, group)``, ``vocab_parallel_cross_entropy(logits, targets, group)``."""
     embedding_cls, loss_fn = (with_reference(code, **_REFERENCE_5_1) for code in (embedding_cls, loss_fn))
@@ -590,17 +631,17 @@ def check_vocab_parallel(embedding_cls, loss_fn) -> str:
                                 {"all_reduce": (1, 4 * y.numel())})
             for scale in (1.0, 60.0):
                 logits = (scale * _randn((case.batch, case.seq_len, vocab), case.seed, 32)).requires_grad_(True)
+                case_drawn("5.5", tp=case.tp, vocab=vocab, largest=logits.abs().max().item())
                 loss = F.cross_entropy(logits.reshape(-1, vocab), idx.reshape(-1))
                 loss.backward()
                 res = out[f"loss x{scale:g}"]
-                hint = "" if scale == 1.0 else ("with logits of size ~60, exp() overflows: subtract the max over the "
-                                                "whole vocabulary (all-reduce with op=MAX) before exp")
-                if is_close(res["loss"].reshape(()), loss.detach() * tokens, rtol=1e-5):
-                    hint = f"that is the sum over the {tokens} tokens: return the mean"
-                _expect(case, rank, f"the loss (logits x{scale:g})", res["loss"].reshape(()), loss.detach(), hint)
+                hint = _loss_mistake(res["loss"], res["grad"], loss.detach(), tokens, logits.detach())
+                _expect(case, rank, f"the loss (logits x{scale:g})", res["loss"].reshape(()), loss.detach(),
+                        hint or _LOSS_FORMULA,
+                        terms=vocab)
                 _expect(case, rank, f"the logits' gradient (logits x{scale:g})", res["grad"], logits.grad[..., rows],
                         hint or "the gradient of each rank's slice is softmax − one_hot on that slice, divided by "
-                                "the number of tokens")
+                                "the number of tokens", terms=vocab)
                 moved = sum(payload for _, payload in res["forward"].values()) + \
                     sum(payload for _, payload in res["backward"].values())
                 if "all_gather" in res["forward"] or moved > 4 * 4 * tokens:
@@ -664,6 +705,7 @@ def check_sequence_parallel(gather_fn, scatter_fn) -> str:
     rng = random.Random(_seed() + 6)
     cases = _cases(rng)
     for case in cases:
+        case_drawn("5.6", tp=case.tp, bias=case.bias, seq_len=case.seq_len)
         run = _launch(_worker_sequence, gather_fn, scatter_fn, case)
         b, s, h, t = case.batch, case.seq_len, case.d_in, case.tp
         m = 4 * b * s * h
@@ -710,6 +752,86 @@ def check_sequence_parallel(gather_fn, scatter_fn) -> str:
     return ("tp=2 (two groups) and tp=4: all-gather/reduce-scatter pairs exact both ways; a sequence-parallel "
             "LayerNorm + MLP equals the dense one")
 
+
+# The boundaries each exercise's text names (harness.Edge; tests/grading/test_reference_seeds.py checks every seed's
+# cases hold each): "two TP groups of 2 ranks side by side" (global rank 3 is rank 1 of its group) and one of 4; a
+# bias and none (added once, after the sum); 5.4's head count divisible by t with one head per rank and several;
+# 5.5's logits past exp()'s fp32 range (the max over the whole vocabulary matters) and small ones.
+_GROUPS = [Edge("two TP groups of 2 ranks", lambda c: c["tp"] == 2), Edge("one TP group of 4", lambda c: c["tp"] == 4)]
+_BIAS = [Edge("a bias", lambda c: c["bias"]), Edge("no bias", lambda c: not c["bias"])]
+EDGES = {
+    "5.1": _GROUPS,
+    "5.2": [*_GROUPS, *_BIAS],
+    "5.3": [*_GROUPS, *_BIAS],
+    "5.4": [*_GROUPS, Edge("one head per rank", lambda c: c.get("layout") and c["n_head"] == c["tp"]),
+            Edge("several heads per rank", lambda c: c.get("layout") and c["n_head"] > c["tp"]),
+            Edge("8 ranks of heads", lambda c: c.get("layout") and c["tp"] == 8),
+            Edge("the attention run with several heads per rank",
+                 lambda c: not c.get("layout") and c["n_head"] > c["tp"])],
+    "5.5": [*_GROUPS, Edge("logits past exp()'s fp32 range", lambda c: c["largest"] > EXP_OVERFLOWS_FP32_ABOVE),
+            Edge("logits well inside it", lambda c: c["largest"] < 20)],
+    "5.6": _GROUPS,
+}
+
+# Surviving mutants of the solution cells that change nothing the exercises ask for (distlab notebooks
+# mutants): key, as benchmarks/results/mutants.txt names it → why it is equivalent.
+EQUIVALENT_MUTANTS = {
+    '5.2 call-removed: `dense.weight.detach()[rows].clone()` → `dense.weight.detach()[rows]`':
+        'indexing with a tensor of rows already copies them: the parameter shares no memory with the dense layer '
+        'either way',
+    '5.2 call-removed: `dense.bias.detach()` → `dense.bias`':
+        'nn.Parameter makes a new leaf of the copy either way: the clone of a tensor that requires grad is detached '
+        'when it becomes a Parameter',
+    '5.2 call-removed: `dense.bias.detach()` → `dense.bias` #2':
+        'nn.Parameter makes a new leaf of the copy either way: the clone of a tensor that requires grad is detached '
+        'when it becomes a Parameter',
+    '5.2 call-removed: `dense.weight.detach()` → `dense.weight`':
+        'nn.Parameter makes a new leaf of the copy either way: the clone of a tensor that requires grad is detached '
+        'when it becomes a Parameter',
+    '5.2 call-removed: `dense.weight.detach()` → `dense.weight` #2':
+        'nn.Parameter makes a new leaf of the copy either way: the clone of a tensor that requires grad is detached '
+        'when it becomes a Parameter',
+    '5.2 statements-swapped: `if rows is None: per = dense.out_features // t rows = torch.arange(r …` → `self.group, '
+    'self.gather_output = group, gather_output if rows is None…`':
+        "two statements that do not read each other's names, in the other order",
+    '5.2 statements-swapped: `self.group = group self.weight = nn.Parameter(dense.weight.detach()[:…` → `self.weight '
+    '= nn.Parameter(dense.weight.detach()[:, r * per:(r + 1) *…`':
+        "two statements that do not read each other's names, in the other order",
+    '5.2 statements-swapped: `self.group, self.gather_output = group, gather_output self.weight = n…` → `self.weight '
+    '= nn.Parameter(dense.weight.detach()[rows].clone()) self.…`':
+        "two statements that do not read each other's names, in the other order",
+    '5.2 statements-swapped: `self.weight = nn.Parameter(dense.weight.detach()[:, r * per:(r + 1) *…` → `self.bias = '
+    'None if dense.bias is None else nn.Parameter(dense.bias.d…`':
+        'two parameters (or submodules) assigned in the other order: they are registered in the other order, which '
+        'no output or gradient depends on',
+    '5.2 statements-swapped: `self.weight = nn.Parameter(dense.weight.detach()[rows].clone()) self.…` → `self.bias = '
+    'None if dense.bias is None else nn.Parameter(dense.bias.d…`':
+        'two parameters (or submodules) assigned in the other order: they are registered in the other order, which '
+        'no output or gradient depends on',
+    '5.3 statements-swapped: `self.fc = ColumnParallelLinear(mlp.fc, group) self.proj = RowParallel…` → `self.proj = '
+    'RowParallelLinear(mlp.proj, group) self.fc = ColumnParall…`':
+        'two parameters (or submodules) assigned in the other order: they are registered in the other order, which '
+        'no output or gradient depends on',
+    '5.4 arguments-swapped: `y.transpose(1, 2)` → `y.transpose(2, 1)`':
+        'transpose(1, 2) and transpose(2, 1) are the same operation',
+    '5.4 statements-swapped: `B, T, _ = x.shape q, k, v = self.qkv(x).chunk(3, dim=-1)` → `q, k, v = '
+    'self.qkv(x).chunk(3, dim=-1) B, T, _ = x.shape`':
+        "two statements that do not read each other's names, in the other order",
+    '5.4 statements-swapped: `self.qkv = ColumnParallelLinear(attn.qkv, group, rows=qkv_rows(d_mode…` → `self.proj = '
+    'RowParallelLinear(attn.proj, group) self.qkv = ColumnPara…`':
+        'two parameters (or submodules) assigned in the other order: they are registered in the other order, which '
+        'no output or gradient depends on',
+    '5.5 group-dropped: `dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)` → `dist.all_reduce(top, '
+    'op=dist.ReduceOp.MAX)`':
+        "the max only keeps exp() in range: the loss is the same for any shift at least the group's max (log-sum-exp "
+        'is shift-invariant), and the max over every rank is one',
+    '5.5 off-by-one: `0` → `1`':
+        "the index given to targets outside this rank's shard only fills a slot that `* mine` zeroes afterwards; 1 "
+        'is as valid an index as 0 (every shard holds at least 2 ids)',
+    '5.5 statements-swapped: `sum_exp = g(shifted.exp().sum(dim=-1), group) mine = (targets >= star…` → `mine = '
+    '(targets >= start) & (targets < start + per) sum_exp = g(shift…`':
+        "two statements that do not read each other's names, in the other order",
+}
 
 EXERCISES = [
     Exercise("5.1", "f and g: the conjugate all-reduce functions", 2, check_conjugate_functions,

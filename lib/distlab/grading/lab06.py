@@ -454,6 +454,28 @@ def _tied_bytes(cfg: GPTConfig) -> int:
 
 # ---------------------------------------------------------------- quiz
 
+# Surviving mutants of the solution cells that change nothing the exercises ask for (distlab notebooks
+# mutants): key, as benchmarks/results/mutants.txt names it → why it is equivalent.
+EQUIVALENT_MUTANTS = {
+    '6.1 statements-swapped: `base, extra = divmod(n_layers, n_stages) bounds = [0]` → `bounds = [0] base, extra = '
+    'divmod(n_layers, n_stages)`':
+        "two statements that do not read each other's names, in the other order",
+    '6.2 arguments-swapped: `min(p - r - 1, m)` → `min(m, p - r - 1)`':
+        'min is symmetric',
+    '6.3 arguments-swapped: `min(2 * (p - r - 1) + (v - 1) * p if v > 1 else p - r - 1, total)` → `min(total, 2 * (p '
+    '- r - 1) + (v - 1) * p if v > 1 else p - r - 1)`':
+        'min is symmetric',
+    '6.3 statements-swapped: `ops += [action(k, r, False) for k in range(total - warmup, total)] or…` → '
+    '`order.append(ops) ops += [action(k, r, False) for k in range(total - …`':
+        'order holds the list ops itself, and += extends that list in place: the same schedule',
+    '6.4 statements-swapped: `losses[mb] = loss.item() out = loss / m` → `out = loss / m losses[mb] = loss.item()`':
+        "two statements that do not read each other's names, in the other order",
+    '6.5 arguments-swapped: `min(p - r - 1, m)` → `min(m, p - r - 1)`':
+        'min is symmetric',
+    '6.5 arguments-swapped: `min(r, m)` → `min(m, r)`':
+        'min is symmetric',
+}
+
 EXERCISES = [
     Exercise("6.1", "partition layers into stages: even and cost-balanced", 2, check_partitions,
              references=("distlab.pipeline_parallel.partition.balanced_partition",

@@ -38,7 +38,7 @@ from distlab.context_parallel import (
 from distlab.flops import PEAK_FLOPS
 from distlab.grading import quiz
 from distlab.grading.contract import CheckFailed, first_line
-from distlab.grading.harness import ATOL, assert_close, lab_seed, max_difference, run_on_ranks
+from distlab.grading.harness import ATOL, Edge, assert_close, case_drawn, lab_seed, max_difference, run_on_ranks
 from distlab.grading.registry import Exercise
 from distlab.memory import PRESETS, GiB, activation_bytes_per_layer
 from distlab.runtime import comm
@@ -174,6 +174,7 @@ def _check_online_softmax(online_softmax_attention) -> str:
         if kind == "large scores":
             q = q * 100  # scores of several hundred: exp overflows float32 past ~88
         k_blocks, v_blocks = list(k.split(sizes, SEQ_DIM)), list(v.split(sizes, SEQ_DIM))
+        case_drawn("7.1", kind=kind, sizes=sizes, largest=(q @ k.transpose(-2, -1)).abs().max().item() / d**0.5)
         where = f"{kind} case ({q_len} queries, key blocks of {sizes})"
         try:
             out, lse = _pair(online_softmax_attention(q, iter(k_blocks), iter(v_blocks)), where)
@@ -226,6 +227,7 @@ def _check_merge(merge_partials, rng: random.Random) -> int:
                  for a, z in ((0, cut), (cut, n))]
         expected_out, expected_lse = attention_block(q, k, v, q_pos, k_pos)
         where = f"merge_partials, {kind} (keys split {cut}+{n - cut})"
+        case_drawn("7.2", merge=kind)
         out, lse = _pair(merge_partials(*parts[0], *parts[1]), where)
         if isinstance(out, torch.Tensor) and torch.isnan(out).any():
             raise CheckFailed(f"{where}: out has NaN where a part's lse is -inf (its queries saw none of its keys): "
@@ -282,6 +284,7 @@ def _check_merge_and_blockwise(merge_partials, blockwise_attention) -> str:
         generator = torch.Generator().manual_seed(rng.randrange(10_000))
         q, k, v = (torch.randn(b, h, n, d, generator=generator) for _ in range(3))
         where = f"blockwise_attention, {n} tokens in blocks of {block} ({'causal' if causal else 'no mask'})"
+        case_drawn("7.2", causal=causal, tokens=n, block=block)
         with measure_work() as work:
             out, lse = _pair(blockwise_attention(q, k, v, block, causal), where)
         expected_out, expected_lse = _reference(q, k, v, causal)
@@ -415,6 +418,7 @@ def check_ring_forward(ring_attention_forward) -> str:
     rng = random.Random(_seed() + 3)
     cases = _worlds(rng)
     for case in cases:
+        case_drawn("7.3", world=case.world_size, heads=case.heads, batch=case.batch)
         run = _launch(_forward_worker, case.world_size, ring_attention_forward, [case], "ring")
         _check_ring_messages(run, 0, case)
         _check_values(run, 0, case, "after step i a rank holds the block of rank (rank - i) mod N; merge every "
@@ -466,6 +470,7 @@ def check_causal_ring(zigzag_positions, causal_ring_attention) -> str:
     layouts = ("contiguous", "zigzag", "striped")
     for world in (2, 4):
         cases = [_case(rng, world, causal=True, layout=layout) for layout in layouts]
+        case_drawn("7.4", world=world, layouts=layouts)
         run = _launch(_forward_worker, world, causal_ring_attention, cases, "causal")
         for index, case in enumerate(cases):
             _check_ring_messages(run, index, case)
@@ -534,6 +539,7 @@ def check_ring_backward(function_class) -> str:
     total = 0
     for world, settings in plans.items():
         cases = [_case(rng, world, **s) for s in settings]
+        case_drawn("7.5", world=world, settings=settings)
         run = _launch(_backward_worker, world, function_class, cases)
         for index, case in enumerate(cases):
             q, k, v, dout = case.tensors(4)
@@ -585,6 +591,7 @@ def check_ulysses(ulysses_attention) -> str:
     for world in (2, 4):
         cases = [_case(rng, world, heads=world * rng.randint(1, 2), causal=causal) for causal in (False, True)]
         bad = _case(rng, world, heads=world + 1)
+        case_drawn("7.6", world=world, heads=[c.heads for c in cases], causal=[c.causal for c in cases], bad=bad.heads)
         run = _launch(_ulysses_worker, world, ulysses_attention, cases, bad)
         for index, case in enumerate(cases):
             shards = [r["results"][index]["out"] for r in run]
@@ -644,6 +651,101 @@ def _q_hidden_tokens(heads: int, kv_heads: int) -> float:
     return hidden_transfer_tokens(PEAK_FLOPS["H100 SXM bf16"], 450e9, bytes_per_value=2, heads=heads,
                                   kv_heads=kv_heads)
 
+
+# The boundaries each exercise's text names (harness.Edge; tests/grading/test_reference_seeds.py checks every seed's
+# cases hold each): 7.1's uneven blocks, a max that keeps rising and scores past exp()'s fp32 range (88); 7.2's part
+# that sees no key and both parts empty (-inf, -inf), the last block shorter, causal and not; 7.3-7.5 on N = 2 and
+# 4, 7.4's contiguous, zig-zag and striped layouts, 7.5 causal and not; 7.6 heads a multiple of N (and a head count
+# that is not, which must be refused), causal and not.
+EDGES = {
+    "7.1": [Edge("key blocks of uneven sizes", lambda c: len(set(c["sizes"])) > 1),
+            Edge("a max that keeps rising", lambda c: c["kind"] == "rising max"),
+            Edge("scores past exp()'s fp32 range", lambda c: c["largest"] > 88.72)],
+    "7.2": [Edge("a part that sees no key", lambda c: c.get("merge") == "one part sees nothing"),
+            Edge("no part sees anything", lambda c: c.get("merge") == "no part sees anything"),
+            Edge("a last block shorter than block_size", lambda c: "tokens" in c and c["tokens"] % c["block"] != 0),
+            Edge("causal", lambda c: c.get("causal") is True), Edge("no mask", lambda c: c.get("causal") is False)],
+    "7.3": [Edge("N = 2", lambda c: c["world"] == 2), Edge("N = 4", lambda c: c["world"] == 4)],
+    "7.4": [Edge(f"N = {n}, {layout}", lambda c, n=n, layout=layout: c["world"] == n and layout in c["layouts"])
+            for n in (2, 4) for layout in ("contiguous", "zigzag", "striped")],
+    "7.5": [Edge("N = 2", lambda c: c["world"] == 2), Edge("N = 4", lambda c: c["world"] == 4),
+            Edge("causal", lambda c: any(s["causal"] for s in c["settings"])),
+            Edge("no mask", lambda c: any(not s["causal"] for s in c["settings"]))],
+    "7.6": [Edge("N = 2", lambda c: c["world"] == 2), Edge("N = 4", lambda c: c["world"] == 4),
+            Edge("causal and not", lambda c: set(c["causal"]) == {True, False}),
+            Edge("heads not a multiple of N (refused)", lambda c: c["bad"] % c["world"] != 0)],
+}
+
+# Surviving mutants of the solution cells that change nothing the exercises ask for (distlab notebooks
+# mutants): key, as benchmarks/results/mutants.txt names it → why it is equivalent.
+EQUIVALENT_MUTANTS = {
+    '7.1 arguments-swapped: `k_block.transpose(-2, -1)` → `k_block.transpose(-1, -2)`':
+        'transpose(a, b) and transpose(b, a) are the same operation',
+    '7.1 arguments-swapped: `torch.maximum(m, s.amax(dim=-1))` → `torch.maximum(s.amax(dim=-1), m)`':
+        'torch.maximum is symmetric',
+    '7.1 arithmetic: `-2` → `(2)`':
+        'q and the key blocks are [batch, heads, tokens, head_dim]: dim 2 is dim -2',
+    '7.1 statements-swapped: `l = l * rescale + p.sum(-1) acc = acc * rescale.unsqueeze(-1) + p @ v…` → `acc = acc * '
+    'rescale.unsqueeze(-1) + p @ v_block l = l * rescale + p.s…`':
+        "two statements that do not read each other's names, in the other order",
+    '7.2 arguments-swapped: `min(k_start + block_size, k.shape[2])` → `min(k.shape[2], k_start + block_size)`':
+        'min is symmetric',
+    '7.2 arguments-swapped: `min(q_start + block_size, q.shape[2])` → `min(q.shape[2], q_start + block_size)`':
+        'min is symmetric',
+    '7.2 compare: `k_start >= q_stop` → `k_start > q_stop`':
+        'the key block that starts at q_stop is entirely in the future of the query block: computing it (every score '
+        'masked, lse -inf) merges with weight exp(-inf) = 0, so stopping one block later changes nothing but time',
+    '7.2 off-by-one: `range(0, q.shape[2], block_size)` → `range(0, q.shape[2] + 1, block_size)`':
+        'the extra start q.shape[2] appears only when it is a multiple of block_size, and its query block is empty: '
+        'nothing is added to the concatenation',
+    '7.2 statements-swapped: `q_pos = torch.arange(q_start, q_stop) if causal else None out = lse =…` → `out = lse = '
+    'None q_pos = torch.arange(q_start, q_stop) if causal else…`':
+        "two statements that do not read each other's names, in the other order",
+    '7.3 statements-swapped: `for request in requests: request.wait() kv = incoming` → `kv = incoming for request in '
+    'requests: request.wait()`':
+        'the receive buffer is named before the wait instead of after: it is read only after the wait, so the same '
+        'values',
+    '7.3 statements-swapped: `out, lse = block if out is None else merge_attention(out, lse, *block…` → `if step < '
+    'world - 1: for request in requests: request.wait() kv = inc…`':
+        'the wait for the next block comes before this block is merged instead of after: the merge reads neither '
+        'the buffer in flight nor kv',
+    '7.3 statements-swapped: `right, left = (rank + 1) % world, (rank - 1) % world kv = torch.stack…` → `kv = '
+    'torch.stack([k, v]) right, left = (rank + 1) % world, (rank - 1)…`':
+        "two statements that do not read each other's names, in the other order",
+    '7.4 statements-swapped: `chunk = seq_len // (2 * world_size) late = 2 * world_size - 1 - rank` → `late = 2 * '
+    'world_size - 1 - rank chunk = seq_len // (2 * world_size)`':
+        "two statements that do not read each other's names, in the other order",
+    '7.4 statements-swapped: `for request in requests: request.wait() kv = incoming` → `kv = incoming for request in '
+    'requests: request.wait()`':
+        'the receive buffer is named before the wait instead of after: it is read only after the wait, so the same '
+        'values',
+    '7.4 statements-swapped: `if step < world - 1: incoming = torch.empty_like(kv) requests = dist.…` → `k_pos = '
+    'positions_of((rank - step) % world) if step < world - 1: inco…`':
+        "two statements that do not read each other's names, in the other order",
+    '7.4 statements-swapped: `kv = torch.stack([k, v]) out = lse = None` → `out = lse = None kv = torch.stack([k, '
+    'v])`':
+        "two statements that do not read each other's names, in the other order",
+    '7.4 statements-swapped: `q_pos = positions_of(rank) kv = torch.stack([k, v])` → `kv = torch.stack([k, v]) q_pos '
+    '= positions_of(rank)`':
+        "two statements that do not read each other's names, in the other order",
+    '7.5 statements-swapped: `delta = (dout * out).sum(-1) dq = torch.zeros_like(q)` → `dq = torch.zeros_like(q) '
+    'delta = (dout * out).sum(-1)`':
+        "two statements that do not read each other's names, in the other order",
+    '7.5 statements-swapped: `for request in grad_requests: request.wait() dkv = dkv_incoming` → `dkv = dkv_incoming '
+    'for request in grad_requests: request.wait()`':
+        'the receive buffer is named before the wait instead of after: it is read only after the wait, so the same '
+        'values',
+    '7.5 statements-swapped: `for request in grad_requests: request.wait() dkv = dkv_incoming` → `dkv = dkv_incoming '
+    'for request in grad_requests: request.wait()` #2':
+        'the receive buffer is named before the wait instead of after: it is read only after the wait, so the same '
+        'values',
+    '7.5 statements-swapped: `for request in kv_requests: request.wait() kv = incoming` → `kv = incoming for request '
+    'in kv_requests: request.wait()`':
+        'the receive buffer is named before the wait instead of after: it is read only after the wait, so the same '
+        'values',
+    '7.6 arguments-swapped: `recv.transpose(0, 1)` → `recv.transpose(1, 0)`':
+        'transpose(a, b) and transpose(b, a) are the same operation',
+}
 
 EXERCISES = [
     Exercise("7.1", "online softmax over streaming key blocks", 2, check_online_softmax,

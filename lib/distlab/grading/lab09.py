@@ -40,7 +40,7 @@ from distlab.fp8.matmul import MULTIPLE, emulated_scaled_mm, scaled_mm_support
 from distlab.fp8.scaling import DelayedScaling, dequantize, expand_scale, quantize
 from distlab.fp8.training import final_loss, train_recipe
 from distlab.grading.contract import CheckFailed, first_line
-from distlab.grading.harness import lab_seed
+from distlab.grading.harness import Edge, case_drawn, lab_seed
 from distlab.grading.quiz import choice, number
 from distlab.grading.registry import Exercise
 from distlab.model import GPTConfig
@@ -89,6 +89,10 @@ def _value_cases(fmt: Format, rng: random.Random) -> list[tuple[float, str]]:
               (fmt.min_subnormal * 0.51, "just above half the smallest subnormal"),
               (fmt.min_subnormal / 3, "a value below half the smallest subnormal"),
               (-0.0, "-0.0"), (fmt.max * 1.03, "just above max"), (fmt.max * 1.5, "above max"), (1e30, "1e30"),
+              # past max by half the top step, and by a little more: E5M2 rounds these to inf (round to nearest,
+              # as if the next binade went on), E4M3 saturates
+              (fmt.max + (finite[-1] - finite[-2]) / 2, "max plus half its step"),
+              (fmt.max + (finite[-1] - finite[-2]) * 0.7, "max plus 0.7 of its step"),
               (-1e30, "-1e30"), (math.inf, "+inf"), (-math.inf, "-inf")]
     return cases
 
@@ -113,6 +117,7 @@ def check_codes(decode_fn, encode_fn) -> str:
                                   f"{bits(code, fmt)}, the code whose value it is: "
                                   f"{_encode_hint(value, fmt, got, code)}")
         cases = _value_cases(fmt, rng)
+        case_drawn("9.1", fmt=fmt.name, whats={what for _, what in cases})
         for value, what in cases:
             expected = encode(value, fmt)
             in_range = abs(value) <= fmt.max
@@ -140,7 +145,8 @@ def _encode_hint(value: float, fmt: Format, got, expected: int) -> str:
         if not fmt.ieee_specials:
             return "E4M3 has no inf: values beyond ±448 saturate to ±448"
         if math.isinf(decode(expected, fmt)):
-            return "E5M2 overflows to ±inf (exponent 11111, mantissa 00), as IEEE does"
+            return ("E5M2 overflows to ±inf (exponent 11111, mantissa 00), as IEEE does, from max plus half the "
+                    "step below max on (half_step = (max - the next code down) / 2)")
         return "a value less than half a step above max rounds down to max"
     if isinstance(got, int) and 0 <= got < 256 and abs(got - expected) == 1 and value != 0:
         return "round to nearest, and on an exact tie to the code with an even (0) last mantissa bit"
@@ -188,8 +194,14 @@ def check_loss_scaler(scaler_class) -> str:
     """9.2: a class with ``scale``, ``step``, ``update``, ``get_scale`` that behaves like ``torch.amp.GradScaler``."""
     rng = random.Random(_seed() + 2)
     cases = [_scaler_case(rng) for _ in range(4)]
+    first_bad = sorted(cases[0]["bad"])  # whatever the draw: a NaN and an inf, and growth after two clean steps
+    cases[0]["poison"][first_bad[0]], cases[0]["poison"][first_bad[1]] = math.nan, math.inf
+    cases[0]["growth_interval"] = 2
     for case in cases:
         knobs = {k: case[k] for k in ("init_scale", "growth_factor", "backoff_factor", "growth_interval")}
+        case_drawn("9.2", poison={str(case["poison"][s]) for s in case["bad"]}, clean_run=max(
+            len(run) for run in "".join("b" if s in case["bad"] else "." for s in range(case["steps"])).split("b")),
+                   interval=case["growth_interval"])
         where = ", ".join(f"{k}={v:g}" for k, v in knobs.items())
         ours = _scaler_run(scaler_class(**knobs), case)
         ref = _scaler_run(torch.amp.GradScaler("cpu", **knobs), case)
@@ -253,6 +265,7 @@ def check_scaling(quantize_fn, delayed_class) -> str:
         for block, name in ((None, "per-tensor"), ((1, cols), "per-row"), ((1, 128), "1×128 tiles"),
                             ((128, 128), "128×128 blocks")):
             for fmt in (FORMATS["e4m3"], FORMATS["e5m2"]):
+                case_drawn("9.3", block=name, fmt=fmt.name, zero_tile=bool((x[:1, :128] == 0).all()))
                 _compare_quantized(quantize_fn(x, fmt, block), quantize(x, fmt, block), x, fmt,
                                    f"{name} {fmt.name.upper()} of a {rows}×{cols} tensor", block=block)
                 count += 1
@@ -270,6 +283,7 @@ def check_scaling(quantize_fn, delayed_class) -> str:
         x = torch.randn(64, 128, generator=generator) * (1 + step / 4)
         if step in (5, 9):
             x[3, 7] = 400.0  # a spike the history has not seen
+        case_drawn("9.3", delayed="e4m3", spike=bool(x.abs().max() > 100))
         got, want = scaler.quantize(x), reference.quantize(x)
         _compare_quantized(got, want, x, FORMATS["e4m3"], f"delayed scaling (history={history}), step {step}",
                            delayed=True, first=step == 0)
@@ -281,8 +295,17 @@ def check_scaling(quantize_fn, delayed_class) -> str:
             x[1, 5] = -1e4
         _compare_quantized(scaler.quantize(x), reference.quantize(x), x, FORMATS["e5m2"],
                            f"delayed scaling in E5M2 (history=2), step {step}", delayed=True, first=step == 0)
-    return (f"{count} tensors with outliers, per-tensor/per-row/1×128/128×128 in E4M3 and E5M2, and 16 steps of "
-            f"delayed scaling with spikes in E4M3 and E5M2: scales and FP8 values equal the reference")
+    # a tensor of zeros first (amax 0: scale 1, not 0), then values under 1 (a scale below 1 is no special case)
+    scaler, reference = delayed_class(FORMATS["e4m3"], 2), DelayedScaling("e4m3", 2)
+    for step in range(3):
+        x = torch.zeros(16, 32) if step == 0 else torch.randn(16, 32, generator=generator) * 0.01
+        case_drawn("9.3", delayed="e4m3", all_zero=step == 0, below_one=bool(0 < x.abs().max() < 1))
+        _compare_quantized(scaler.quantize(x), reference.quantize(x), x, FORMATS["e4m3"],
+                           f"delayed scaling (history=2), step {step}: "
+                           + ("all zeros" if step == 0 else "values under 1"), delayed=True, first=step == 0)
+    return (f"{count} tensors with outliers, per-tensor/per-row/1×128/128×128 in E4M3 and E5M2, and 19 steps of "
+            f"delayed scaling with spikes, zeros and values under 1 in E4M3 and E5M2: scales and FP8 values equal "
+            f"the reference")
 
 
 def _scale_mistake(got: torch.Tensor, x: torch.Tensor, fmt: Format, block) -> str:
@@ -321,6 +344,10 @@ def _compare_quantized(got, want, x, fmt: Format, where: str, delayed: bool = Fa
                 if not delayed and scale.numel() == br * bc else "")
         raise CheckFailed(f"{where}: {scale.numel()} scales, expected {ref_scale.numel()} "
                           f"(one per block: a grid of shape {tuple(ref_scale.shape)}){axes}")
+    if ref_scale.numel() > 1 and tuple(scale.shape) != tuple(ref_scale.shape):
+        raise CheckFailed(f"{where}: scale has shape {tuple(scale.shape)}, expected the grid of blocks "
+                          f"(rows / br, cols / bc) = {tuple(ref_scale.shape)}: scale[i, j] is block (i, j)'s, so a "
+                          f"caller can expand it over the tensor")
     scale = scale.reshape(ref_scale.shape).float()
     if not torch.isfinite(scale).all() or (scale <= 0).any():
         raise CheckFailed(f"{where}: a scale is {scale[~torch.isfinite(scale) | (scale <= 0)][0].item()}: an all-zero "
@@ -392,6 +419,7 @@ def check_fp8_matmul(emulated_fn, native_fn, auto_fn) -> str:
         for rowwise in (False, True):
             for dtype_b in (torch.float8_e4m3fn, torch.float8_e5m2):
                 a, b, sa, sb = _matmul_case(rng, generator, m, k, n, rowwise, dtype_b)
+                case_drawn("9.4", rowwise=rowwise, e5m2=dtype_b == torch.float8_e5m2)
                 where = (f"{'row-wise' if rowwise else 'tensor-wise'} {m}×{k} @ {k}×{n} "
                          f"(E4M3 × {'E5M2' if dtype_b == torch.float8_e5m2 else 'E4M3'})")
                 expected = emulated_scaled_mm(a, b, sa, sb, torch.float32)
@@ -405,6 +433,7 @@ def check_fp8_matmul(emulated_fn, native_fn, auto_fn) -> str:
                     _compare_matmul(got, expected, a, b, sa, sb, f"native, {where}")
     for m, k, n in ((17, 40, 24), (32, 48, 24), (32, 40, 32)):  # K and N, N alone, K alone off the multiple
         a, b, sa, sb = _matmul_case(rng, generator, m, k, n, False)
+        case_drawn("9.4", auto=True, k_off=k % MULTIPLE != 0, n_off=n % MULTIPLE != 0)
         out, path = auto_fn(a, b, sa, sb, torch.bfloat16)
         if path != "emulated":
             off = [f"{name} = {size}" for name, size in (("K", k), ("N", n)) if size % MULTIPLE]
@@ -474,11 +503,12 @@ def check_float8_linear(student_class) -> str:
     rng = random.Random(_seed() + 5)
     generator = torch.Generator().manual_seed(_seed() + 5)
     shapes = []
-    for _ in range(4):  # in ≠ out features: a square layer would hide a transposed weight gradient
+    for i in range(4):  # in ≠ out features: a square layer would hide a transposed weight gradient
         k = 16 * rng.randint(1, 6)
         shapes.append((16 * rng.randint(2, 8), k, 16 * rng.choice([i for i in range(1, 7) if 16 * i != k]),
-                       rng.random() < 0.5))
+                       rng.random() < 0.5 if i > 1 else i == 0))  # a layer with a bias and one without, always
     for m, k, n, bias in shapes:
+        case_drawn("9.5", bias=bias, square=k == n)
         mine, ref = _linear_pair(student_class, k, n, generator, bias)
         where = f"{m}×{k} input, {k}→{n} layer{' with bias' if bias else ''}"
         if mine.weight.dtype != torch.float32:
@@ -566,6 +596,90 @@ def _train_gpt(student_class) -> str:
 # ---------------------------------------------------------------- the lab's exercises and quiz
 
 _H100_RATIO = PEAK_FLOPS["H100 SXM fp8"] / PEAK_FLOPS["H100 SXM bf16"]
+
+# The boundaries each exercise's text names (harness.Edge; tests/grading/test_reference_seeds.py checks every seed's
+# cases hold each): exact ties between codes, subnormals and half the smallest one, -0.0, just above max, max plus
+# half its step, inf and NaN in both formats; inf and NaN gradients and growth after growth_interval clean steps; an
+# all-zero tile, every block shape in both formats, a spike the history has not seen; row-wise and tensor-wise, E5M2
+# operands, K and N off the multiple of 16; a layer with a bias and one without, never square.
+_WHATS = ("an exact tie between two codes", "half the smallest subnormal (a tie with 0)", "-0.0", "just above max",
+          "max plus half its step", "+inf", "-inf")
+EDGES = {
+    "9.1": [Edge(f"{fmt}: {what}", lambda c, fmt=fmt, what=what: c["fmt"] == fmt and what in c["whats"])
+            for fmt in ("e4m3", "e5m2") for what in _WHATS],
+    "9.2": [Edge("an inf gradient", lambda c: any("inf" in p for p in c["poison"])),
+            Edge("a NaN gradient", lambda c: "nan" in c["poison"]),
+            Edge("growth_interval clean steps in a row", lambda c: c["clean_run"] >= c["interval"])],
+    "9.3": [*(Edge(f"{name} blocks", lambda c, name=name: c.get("block") == name)
+              for name in ("per-tensor", "per-row", "1×128 tiles", "128×128 blocks")),
+            Edge("an all-zero tile", lambda c: c.get("zero_tile")), Edge("E5M2", lambda c: c.get("fmt") == "e5m2"),
+            Edge("a spike the history has not seen", lambda c: c.get("spike")),
+            Edge("delayed scaling of an all-zero tensor", lambda c: c.get("all_zero")),
+            Edge("delayed scaling of values under 1", lambda c: c.get("below_one"))],
+    "9.4": [Edge("row-wise scales", lambda c: c.get("rowwise")), Edge("an E5M2 operand", lambda c: c.get("e5m2")),
+            Edge("K off the multiple of 16", lambda c: c.get("k_off")),
+            Edge("N off the multiple of 16", lambda c: c.get("n_off"))],
+    "9.5": [Edge("a bias", lambda c: c["bias"]), Edge("no bias", lambda c: not c["bias"]),
+            Edge("in ≠ out features", lambda c: not c["square"])],
+}
+
+# Surviving mutants of the solution cells that change nothing the exercises ask for (distlab notebooks
+# mutants): key, as benchmarks/results/mutants.txt names it → why it is equivalent.
+EQUIVALENT_MUTANTS = {
+    '9.1 compare: `math.copysign(1.0, value) < 0` → `math.copysign(1.0, value) <= 0`':
+        'math.copysign(1.0, value) is ±1, never 0',
+    '9.1 statements-swapped: `if below == largest or decode_fp8(below, fmt) == magnitude: return si…` → `low, high = '
+    'decode_fp8(below, fmt), decode_fp8(below + 1, fmt) if bel…`':
+        'the two neighbours are decoded before the early return instead of after: decoding a code has no effect, and '
+        'the return does not read them',
+    '9.1 statements-swapped: `if magnitude > top: if not fmt.ieee_specials: return sign | largest #…` → `below = '
+    'max(c for c in finite if decode_fp8(c, fmt) <= magnitude) # l…`':
+        'the code below is found before the overflow branch instead of after: that branch returns without reading '
+        'it, and a code at or below any non-negative magnitude always exists (0)',
+    '9.1 statements-swapped: `if math.isnan(value): return sign | 0x7F magnitude = abs(value)` → `magnitude = '
+    'abs(value) if math.isnan(value): return sign | 0x7F`':
+        "two statements that do not read each other's names, in the other order",
+    '9.1 statements-swapped: `if not fmt.ieee_specials: return sign | largest # E4M3 saturates half…` → `half_step = '
+    '(top - decode_fp8(largest - 1, fmt)) / 2 # E4M3 saturates…`':
+        "two statements that do not read each other's names, in the other order",
+    '9.1 statements-swapped: `sign = -1.0 if code & 0x80 else 1.0 exponent, mantissa = (code >> M) …` → `exponent, '
+    'mantissa = (code >> M) & ((1 << E) - 1), code & ((1 << M) -…`':
+        "two statements that do not read each other's names, in the other order",
+    '9.2 statements-swapped: `self.scale_value *= self.backoff_factor self.good_steps = 0` → `self.good_steps = 0 '
+    'self.scale_value *= self.backoff_factor`':
+        "two statements that do not read each other's names, in the other order",
+    '9.2 statements-swapped: `self.scale_value *= self.growth_factor self.good_steps = 0` → `self.good_steps = 0 '
+    'self.scale_value *= self.growth_factor`':
+        "two statements that do not read each other's names, in the other order",
+    '9.3 call-removed: `x.abs().max().item()` → `x.abs().max()`':
+        'the amax kept as a 0-d tensor instead of a float: max, > 0 and the division give the same values, and '
+        'torch.tensor copies it into the same scale',
+    '9.3 statements-swapped: `self.amax_history.append(current) scale = amax / self.fmt.max if amax…` → `scale = '
+    'amax / self.fmt.max if amax > 0 else 1.0 self.amax_history.ap…`':
+        "two statements that do not read each other's names, in the other order (the scale uses amax, read from the "
+        'history before either)',
+    '9.5 arguments-swapped: `fp8_matmul(gq, wq, g_scale, w_scale, out_dtype=grad_out.dtype)` → `fp8_matmul(gq, wq, '
+    'w_scale, g_scale, out_dtype=grad_out.dtype)`':
+        'quantize gives one scale per tensor, and a product of two dequantised operands is the same whichever scalar '
+        'multiplies which (up to rounding, within the tolerance)',
+    '9.5 arguments-swapped: `fp8_matmul(gq.t(), xq, g_scale, x_scale, out_dtype=torch.float32)` → '
+    '`fp8_matmul(gq.t(), xq, x_scale, g_scale, out_dtype=torch.float32)`':
+        'quantize gives one scale per tensor, and a product of two dequantised operands is the same whichever scalar '
+        'multiplies which (up to rounding, within the tolerance)',
+    '9.5 arguments-swapped: `fp8_matmul(xq, wq.t(), x_scale, w_scale, out_dtype=x.dtype)` → `fp8_matmul(xq, wq.t(), '
+    'w_scale, x_scale, out_dtype=x.dtype)`':
+        'quantize gives one scale per tensor, and a product of two dequantised operands is the same whichever scalar '
+        'multiplies which (up to rounding, within the tolerance)',
+    '9.5 statements-swapped: `grad_x = fp8_matmul(gq, wq, g_scale, w_scale, out_dtype=grad_out.dtyp…` → `grad_w = '
+    'fp8_matmul(gq.t(), xq, g_scale, x_scale, out_dtype=torch.flo…`':
+        "two statements that do not read each other's names, in the other order",
+    '9.5 statements-swapped: `xq, x_scale = quantize(x, "e4m3") wq, w_scale = quantize(weight, "e4m…` → `wq, w_scale '
+    '= quantize(weight, "e4m3") xq, x_scale = quantize(x, "e4m…`':
+        "two statements that do not read each other's names, in the other order",
+    '9.5 statements-swapped: `xq, x_scale, wq, w_scale = ctx.saved_tensors gq, g_scale = quantize(g…` → `gq, g_scale '
+    '= quantize(grad_out, "e5m2") xq, x_scale, wq, w_scale = c…`':
+        "two statements that do not read each other's names, in the other order",
+}
 
 EXERCISES = [
     Exercise("9.1", "encode and decode E4M3 and E5M2 by hand", 3, check_codes,

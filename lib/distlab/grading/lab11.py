@@ -22,7 +22,15 @@ import random
 from distlab.flops import PEAK_FLOPS, mfu
 from distlab.grading import quiz
 from distlab.grading.contract import CheckFailed, describe_error
-from distlab.grading.harness import ATOL, LONG_JOB_TIMEOUT, lab_seed, raise_if_untouched, run_on_ranks
+from distlab.grading.harness import (
+    ATOL,
+    LONG_JOB_TIMEOUT,
+    Edge,
+    case_drawn,
+    lab_seed,
+    raise_if_untouched,
+    run_on_ranks,
+)
 from distlab.grading.registry import Exercise
 from distlab.memory import PRESETS
 from distlab.model import GPT, GPTConfig, training_flops_per_token
@@ -58,9 +66,10 @@ def check_grid_groups(grid_groups) -> str:
     """11.1: ``grid_groups(world, dp, pp, tp)`` → ``{"dp": [[ranks]…], "pp": …, "tp": …}``."""
     raise_if_untouched(grid_groups)
     rng = random.Random(_seed() + 1)
-    shapes = [(2, 2, 2)] + [(rng.choice([1, 2, 3, 4]), rng.choice([1, 2, 4]), rng.choice([1, 2, 4, 8]))
-                            for _ in range(5)]
+    shapes = [(2, 2, 2), (3, 1, 4)] + [(rng.choice([1, 2, 3, 4]), rng.choice([1, 2, 4]), rng.choice([1, 2, 4, 8]))
+                                       for _ in range(4)]  # 2 x 2 x 2, where axes are easily swapped; an odd DP, PP 1
     for dp, pp, tp in shapes:
+        case_drawn("11.1", dp=dp, pp=pp, tp=tp)
         grid = Grid(dp, pp, tp)
         got = grid_groups(grid.world, dp, pp, tp)
         where = f"dp={dp}, pp={pp}, tp={tp}"
@@ -116,6 +125,7 @@ def check_sync_gradients(sync_gradients) -> str:
     cfg = GPTConfig(vocab_size=rng.choice([32, 64]), seq_len=rng.choice([8, 16]), n_layer=2, n_head=n_head,
                     d_model=n_head * rng.choice([4, 8]), tied_embeddings=False)
     grid, batch, seed = Grid(2, 2, 2), 8, rng.randrange(10_000)
+    case_drawn("11.2", dp=grid.dp, pp=grid.pp, tp=grid.tp)
     results = _launch_3d(cfg, grid, batch, seed, sync_gradients)
     compared = compare_with_reference(results, cfg, grid, batch, steps=1, seed=seed, data_seed=seed)
     rank, name, diff = compared["worst_param"]
@@ -168,6 +178,7 @@ def check_mfu(model_flops_utilization) -> str:
     rng = random.Random(_seed() + 3)
     cases = [(PRESETS[name], rng.uniform(0.15, 0.6), rng.choice([8, 64, 1024])) for name in ("7B", "70B", "405B")]
     for preset, target, gpus in cases:
+        case_drawn("11.3", preset=preset.name, gpus=gpus)
         n = preset.n_params - preset.vocab_size * preset.d_model
         peak = rng.choice([989e12, 312e12])
         flops = training_flops_per_token(n, preset.n_layer, preset.d_model, preset.seq_len)
@@ -217,14 +228,16 @@ def check_predicted_bytes(predicted_bytes) -> str:
     rng = random.Random(_seed() + 4)
     cases = [(GPTConfig(vocab_size=64, seq_len=16, n_layer=2, n_head=2, d_model=32, tied_embeddings=False),
               2, 2, 2, 2, 2)]
-    for _ in range(6):
+    for k in range(6):
         pp, tp = rng.choice([1, 2, 4]), rng.choice([1, 2, 4])
+        pp, tp = (1, tp) if k == 0 else (pp, 1) if k == 1 else (pp, tp)  # no pipeline bytes; no TP bytes
         n_head = tp * rng.choice([1, 2])
         cfg = GPTConfig(vocab_size=tp * rng.choice([16, 32]), seq_len=rng.choice([8, 16, 32]),
                         n_layer=pp * rng.choice([1, 2]), n_head=n_head, d_model=n_head * rng.choice([4, 8]),
                         tied_embeddings=False)
         cases.append((cfg, rng.choice([1, 2]), pp, tp, rng.choice([1, 2, 4]), rng.choice([1, 2])))
     for cfg, dp, pp, tp, m, mb in cases:
+        case_drawn("11.4", dp=dp, pp=pp, tp=tp, m=m)
         want = bytes_per_axis(ModelShape.from_config(cfg), Layout(dp=dp, tp=tp, pp=pp, zero=0, m=m, micro_batch=mb),
                               sequence_parallel=False, bytes_per_value=4)
         got = predicted_bytes(cfg, dp, pp, tp, m, mb)
@@ -318,6 +331,19 @@ QUIZ = [
                 wrong={"one per step, as ZeRO-1": lambda m: 1},
                 hint="'The planner, term by term': ZeRO under a pipeline"),
 ]
+
+# The boundaries each exercise's text names (harness.Edge; tests/grading/test_reference_seeds.py checks every seed's
+# cases hold each): 11.1's 2 x 2 x 2 grid (axes easily swapped), an axis of size 1 and an odd DP; 11.2 on 2 x 2 x 2;
+# 11.3 on every preset; 11.4 without a pipeline (PP 1) and without TP (TP 1), and with several micro-batches.
+EDGES = {
+    "11.1": [Edge("2 x 2 x 2", lambda c: (c["dp"], c["pp"], c["tp"]) == (2, 2, 2)),
+             Edge("an axis of size 1", lambda c: 1 in (c["dp"], c["pp"], c["tp"])),
+             Edge("an odd DP", lambda c: c["dp"] % 2 == 1 and c["dp"] > 1)],
+    "11.2": [Edge("DP groups of 2 in a 2 x 2 x 2 grid", lambda c: (c["dp"], c["pp"], c["tp"]) == (2, 2, 2))],
+    "11.3": [Edge(f"the {name} preset", lambda c, name=name: c["preset"] == name) for name in ("7B", "70B", "405B")],
+    "11.4": [Edge("PP 1: no pipeline bytes", lambda c: c["pp"] == 1), Edge("TP 1: no TP bytes", lambda c: c["tp"] == 1),
+             Edge("several micro-batches", lambda c: c["m"] > 1)],
+}
 
 EXERCISES = [
     Exercise("11.1", "the process-group grid: every group of every axis", 3, check_grid_groups,

@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import math
 import random
+import statistics
 import tempfile
 from pathlib import Path
 
@@ -31,10 +32,10 @@ from distlab.fault_tolerance.cadence import LLAMA3, job_mtbf_hours, young_interv
 from distlab.fault_tolerance.checkpoint import checkpoint_path, read_checkpoint
 from distlab.fault_tolerance.faults import Fault, flip_bit
 from distlab.fault_tolerance.guards import SpikeGuard, guarded_train
-from distlab.fault_tolerance.resume import resumable_train, run_with_restarts
+from distlab.fault_tolerance.resume import MetricsLog, resumable_train, run_with_restarts
 from distlab.grading import quiz
 from distlab.grading.contract import CheckFailed
-from distlab.grading.harness import JOB_TIMEOUT, lab_seed, max_difference
+from distlab.grading.harness import JOB_TIMEOUT, Edge, case_drawn, lab_seed, max_difference
 from distlab.grading.registry import Exercise
 from distlab.model import GPT, GPTConfig
 from distlab.runtime.launch import Ranks
@@ -164,6 +165,7 @@ def _resume_case(train_resumable, case: dict) -> None:
         missing = [s for s in range(start, case["steps"]) if s not in losses]
         if missing:
             raise CheckFailed(f"{where_text}: the resumed job skipped steps {missing}")
+        _check_metrics_log(MetricsLog(my_dir / "metrics.jsonl"), len(report.attempts) - 1, losses, where_text)
         final = checkpoint_path(my_dir, case["steps"])
         if not final.is_dir():
             raise CheckFailed(f"{where_text}: no final checkpoint {final.name}: save every save_every steps, "
@@ -172,10 +174,33 @@ def _resume_case(train_resumable, case: dict) -> None:
                              _normalised(read_checkpoint(checkpoint_path(ref_dir, case["steps"]))), final.name)
 
 
+def _check_metrics_log(log: MetricsLog, attempt: int, losses: dict, where: str) -> None:
+    """The resumed attempt's records: rank 0's, one per step it ran, each with that step's loss (the log is what
+    a crash leaves behind, so a record per rank, or none, defeats it)."""
+    records = [r for r in log.read() if r.get("attempt") == attempt]
+    if not records:
+        raise CheckFailed(f"{where}: the metrics log holds no record of attempt {attempt}: let rank 0 call "
+                          f"log.append(attempt=attempt, step=step, loss=loss) after each step")
+    steps = [r.get("step") for r in records]
+    repeated = sorted({s for s in steps if steps.count(s) > 1})
+    if repeated:
+        raise CheckFailed(f"{where}: the metrics log records step {repeated[0]} of attempt {attempt} "
+                          f"{steps.count(repeated[0])} times: only rank 0 records (if rank == 0), once per step")
+    if sorted(steps) != sorted(losses):
+        raise CheckFailed(f"{where}: the metrics log records steps {sorted(steps)} of attempt {attempt}, the "
+                          f"attempt ran {sorted(losses)}: record each step after it trained")
+    for record in records:
+        if record.get("loss") != losses[record["step"]]:
+            raise CheckFailed(f"{where}: the metrics log's loss of step {record['step']} is {record.get('loss')!r}, "
+                              f"the step returned {losses[record['step']]!r}: record the loss train_step_ddp "
+                              f"returned")
+
+
 def check_resumable_training(train_resumable) -> str:
     """12.1: ``train_resumable(ckpt_dir, steps, save_every, *, attempt, fault, **setup)`` → ``{step: loss}``."""
     cases = _resume_cases(random.Random(_seed() + 1))
     for case in cases:
+        case_drawn("12.1", where=case["fault"].where, wraps=case["setup"]["n_items"] % case["setup"]["batch_size"] != 0)
         _resume_case(train_resumable, case)
     return (f"{len(cases)} killed runs ({'; '.join(_describe_case(c) for c in cases)}): each resumed from the "
             f"last complete checkpoint and matched the uninterrupted run bit for bit")
@@ -223,6 +248,10 @@ def _sdc_hint(case: dict, expected: dict[int, list[str]], got: dict[int, list[st
     if too_many:
         return (f": rank {too_many[0]} is named with parameters whose bits are intact; fingerprint each parameter "
                 f"separately and name only those that differ from the majority")
+    intact = [r for r, names in got.items() if names and not set(names) & set(expected.get(r, []))]
+    if intact:
+        return (f": rank {intact[0]} is named with parameters whose fingerprints agree with the other replicas'; a "
+                f"replica is corrupted where its fingerprint differs (!=) from the most common one")
     missed = [r for r in expected if got.get(r) != expected[r]]
     flip = next((f for f in case["flips"] if missed and f[0] == missed[0]), None)
     if flip is not None and flip[3] == 0:
@@ -235,6 +264,7 @@ def check_sdc_detector(detect_sdc) -> str:
     """12.2: ``detect_sdc(model)`` on every rank → ``{rank: [parameter names]}`` of corrupted replicas."""
     cases = _sdc_cases(random.Random(_seed() + 2))
     for case in cases:
+        case_drawn("12.2", kind=case["kind"], bits={f[3] for f in case["flips"]}, ranks={f[0] for f in case["flips"]})
         expected: dict[int, list[str]] = {}
         for rank, name, _, _ in case["flips"]:
             expected.setdefault(rank, []).append(name)
@@ -259,16 +289,31 @@ def check_sdc_detector(detect_sdc) -> str:
 
 # ---------------------------------------------------------------- 12.3
 
+# Losses and gradient norms are multiples of 2^-16 and the factors dyadic (1.5, 1.75, 5), so a value set to exactly
+# factor × the median is that product, and its quotient by the median that factor, in any order a guard computes
+# them: "exceeds" is then decided at the limit itself, never by a rounding.
+_GRID = 2.0**16
+
+
+def _on_grid(value: float) -> float:
+    return round(value * _GRID) / _GRID
+
+
 def _sequence(rng: random.Random, n: int, events: dict[int, str]) -> list[tuple[float, float]]:
-    loss, out = rng.uniform(3.0, 6.0), []
+    """``n`` steps of a slowly falling loss and a gradient norm at a random scale (a median near 1 would make
+    ``grad_factor × median`` and ``grad_factor / median`` agree), with ``events`` at their steps; the two
+    at-the-limit events are placeholders, set from the history when they are reached (:func:`_at_limit`)."""
+    loss, scale, out = rng.uniform(3.0, 6.0), rng.choice([0.05, 0.3, 4.0, 40.0]), []
     for i in range(n):
         loss *= rng.uniform(0.96, 1.0)
-        grad = rng.uniform(0.5, 1.5)
+        grad = rng.uniform(0.5, 1.5) * scale
         event = events.get(i)
         if event == "nan":
             out.append((float("nan"), float("nan")))
         elif event == "inf_grad":
             out.append((loss, float("inf")))
+        elif event == "nan_grad":  # a finite loss beside a NaN gradient norm: `and`, not `or`, of the two tests
+            out.append((loss, float("nan")))
         elif event == "spike":
             out.append((loss * rng.uniform(2.0, 4.0), grad * rng.uniform(1.0, 2.0)))
         elif event == "grad":
@@ -277,21 +322,38 @@ def _sequence(rng: random.Random, n: int, events: dict[int, str]) -> list[tuple[
             out.append((loss * rng.uniform(1.05, 1.2), grad))
         else:
             out.append((loss, grad))
+        out[-1] = tuple(_on_grid(v) if math.isfinite(v) else v for v in out[-1])
     return out
 
 
-def _guard_sequences(rng: random.Random) -> list[tuple[dict, list[tuple[float, float]]]]:
-    plans = [
-        {1: "nan", 8: "spike", 12: "grad", 15: "mild"},  # a NaN during warm-up, then one of each
-        {6: "spike", 7: "spike", 8: "spike", 9: "spike", 14: "nan"},  # patience runs out: rollback, then again
-        {5: "inf_grad", 10: "spike", 11: "nan", 12: "grad", 13: "spike", 20: "spike"},
-        {i: "spike" for i in range(6, 14)},  # a long bad stretch: the history must not absorb it
-    ]
+def _at_limit(event: str | None, step: tuple[float, float], reference: SpikeGuard) -> tuple[float, float]:
+    """The step as the guard sees it: a loss, or a gradient norm, of exactly the limit of the history so far (it
+    does not exceed it, so the step is good)."""
+    loss, grad = step
+    if event == "loss_at_limit":
+        return reference.loss_factor * statistics.median(reference.losses), grad
+    if event == "grad_at_limit":
+        return loss, reference.grad_factor * statistics.median(reference.grad_norms)
+    return step
+
+
+def _guard_sequences(rng: random.Random) -> list[tuple[dict, dict[int, str], list[tuple[float, float]]]]:
     out = []
-    for plan in plans:
-        params = dict(window=rng.choice([6, 8, 16]), loss_factor=rng.choice([1.5, 1.8]), grad_factor=5.0,
+    for k in range(4):
+        params = dict(window=rng.choice([6, 8, 16]), loss_factor=rng.choice([1.5, 1.75]), grad_factor=5.0,
                       patience=rng.choice([2, 3]), warmup=rng.choice([3, 4]))
-        out.append((params, _sequence(rng, 24, plan)))
+        warmup = params["warmup"]
+        plan = [
+            # a NaN during warm-up, then one of each, a loss and a gradient norm exactly at their limits
+            {1: "nan", 8: "spike", 12: "grad", 15: "mild", 17: "loss_at_limit", 19: "grad_at_limit",
+             21: "nan_grad"},
+            # a gradient-norm spike on the first step after warm-up; patience runs out: rollback, then again
+            {warmup: "grad", 6: "spike", 7: "spike", 8: "spike", 9: "spike", 14: "nan"},
+            {5: "inf_grad", 10: "spike", 11: "nan", 12: "grad", 13: "spike", 20: "spike"},
+            # a long bad stretch from the first step after warm-up: the history must not absorb it
+            {i: "spike" for i in range(warmup, warmup + 8)},
+        ][k]
+        out.append((params, plan, _sequence(rng, 24, plan)))
     return out
 
 
@@ -299,10 +361,22 @@ def _fmt(value: float) -> str:
     return f"{value:.4g}"
 
 
-def _guard_hint(expected: str, got: str, loss: float, grad: float, reason: str) -> str:
-    """What a guard that answers ``got`` where the reference answers ``expected`` most likely gets wrong."""
+def _guard_hint(expected: str, got: str, loss: float, grad: float, reason: str, event: str | None,
+                known: int, warmup: int, same_history: bool) -> str:
+    """What a guard that answers ``got`` where the reference answers ``expected`` most likely gets wrong; ``event``:
+    the step's hidden event, ``known``: the good steps in the reference's history before it, ``same_history``:
+    whether the guard's ``losses`` held the reference's before it (True when it keeps none under that name)."""
     if got == "ok" and not (math.isfinite(loss) and math.isfinite(grad)):
-        return "NaN compares False with everything, so a NaN passes a `loss > limit` test: check math.isfinite first"
+        return ("NaN compares False with everything, so a NaN passes a `loss > limit` test: check math.isfinite "
+                "first, of the loss and of the gradient norm")
+    if not same_history:
+        return "Only good steps enter the history; medians of the last `window` good steps"
+    if event in ("loss_at_limit", "grad_at_limit") and expected == "ok":
+        return ("This value is exactly factor × the recent median, which it does not exceed: a step is bad above "
+                "the limit (>), not at it (>=)")
+    if got == "ok" and expected != "ok" and known == warmup:
+        return (f"This is the first step with warmup = {warmup} good steps known: the spike tests apply once "
+                f"len(history) >= warmup")
     if got == "ok" and reason.startswith("gradient-norm"):
         return "The loss looks normal here but the gradient norm spiked: compare it with its own recent median too"
     if expected == "rollback" and got == "skip":
@@ -310,21 +384,31 @@ def _guard_hint(expected: str, got: str, loss: float, grad: float, reason: str) 
     if expected == "skip" and got == "rollback":
         return ("Too early for 'rollback': the count of bad steps in a row starts again after a good step and "
                 "after a rollback")
+    if expected == "ok" and known >= warmup:
+        return ("This step is within both limits: its loss at most loss_factor × the median of the last `window` "
+                "good losses, its gradient norm at most grad_factor × the median of their gradient norms")
     return "Only good steps enter the history; medians of the last `window` good steps"
 
 
 def _check_sequences(guard_class, rng: random.Random) -> int:
-    for index, (params, sequence) in enumerate(_guard_sequences(rng)):
+    for index, (params, plan, sequence) in enumerate(_guard_sequences(rng)):
         mine, reference = guard_class(**params), SpikeGuard(**params)
-        for step, (loss, grad) in enumerate(sequence):
+        case_drawn("12.3", sequence=index, events=set(plan.values()),
+                   spike_after_warmup=plan.get(params["warmup"]))
+        for step, planned in enumerate(sequence):
+            loss, grad = sequence[step] = _at_limit(plan.get(step), planned, reference)
+            known = len(reference.losses)
+            same_history = list(getattr(mine, "losses", reference.losses)) == list(reference.losses)
             expected, got = reference.decide(loss, grad), mine.decide(loss, grad)
             if got != expected:
+                hint = _guard_hint(expected, got, loss, grad, reference.reason, plan.get(step), known,
+                                   params["warmup"], same_history)
                 recent = ", ".join(f"({_fmt(a)}, {_fmt(b)})" for a, b in sequence[max(0, step - 4):step])
                 why = f" ({reference.reason})" if reference.reason else ""
                 raise CheckFailed(
                     f"sequence {index + 1} with {params}: at step {step} (loss {_fmt(loss)}, gradient norm "
                     f"{_fmt(grad)}; the steps before: {recent}) the reference answers {expected!r}{why}, yours "
-                    f"{got!r}. {_guard_hint(expected, got, loss, grad, reference.reason)}")
+                    f"{got!r}. {hint}")
     return index + 1
 
 
@@ -371,6 +455,7 @@ def check_checkpoint_cadence(job_mtbf, optimal_interval) -> str:
     """12.4: ``job_mtbf(n_gpus)`` in hours from Llama 3's rate, and Young's ``optimal_interval(δ, M)``."""
     rng = random.Random(_seed() + 4)
     for n_gpus in [16_384, 1024, 8] + [rng.choice([2**k for k in range(3, 16)]) for _ in range(3)]:
+        case_drawn("12.4", n_gpus=n_gpus)
         got, want = float(job_mtbf(n_gpus)), job_mtbf_hours(n_gpus)
         if not math.isclose(got, want, rel_tol=1e-6):
             hint = ""
@@ -382,17 +467,112 @@ def check_checkpoint_cadence(job_mtbf, optimal_interval) -> str:
                 hint = ": that is in days; the answer is in hours"
             elif math.isclose(got, want * 60, rel_tol=1e-6):
                 hint = ": that is in minutes; the answer is in hours"
-            raise CheckFailed(f"job_mtbf({n_gpus}) = {got:.4g} h, expected {want:.4g} h{hint}")
+            else:
+                hint = (": Llama 3 saw 419 interruptions in 54 days (× 24 h) on 16,384 GPUs; the MTBF of a job on "
+                        "N GPUs is that interval × 16,384 / N: check each of these numbers and the division")
+            raise CheckFailed(f"job_mtbf({n_gpus}) = {got:.7g} h, expected {want:.7g} h{hint}")
     for _ in range(6):
         delta, mtbf = rng.uniform(5, 900), rng.uniform(1800, 200_000)
         got, want = float(optimal_interval(delta, mtbf)), young_interval(delta, mtbf)
         if not math.isclose(got, want, rel_tol=1e-6):
+            hint = _ratio_hint(got / want) or (": Young's interval is sqrt(2 δ M), δ and M in seconds: check the "
+                                               "factor 2 and that δ and M multiply")
             raise CheckFailed(f"optimal_interval(δ={delta:.1f} s, M={mtbf:.0f} s) = {got:.1f} s, expected "
-                              f"{want:.1f} s{_ratio_hint(got / want)}")
+                              f"{want:.1f} s{hint}")
     return "job MTBF for 8-32,768 GPUs and Young's interval on 6 random (δ, M) pairs"
 
 
 # ---------------------------------------------------------------- quiz
+
+# The boundaries each exercise's text names (harness.Edge; tests/grading/test_reference_seeds.py checks every seed's
+# cases hold each): a rank killed mid-step and one killed while saving (the newest checkpoint half-written), data that
+# wraps around an epoch; a last-bit flip, two corrupted replicas one of them rank 0, a clean run; every guard
+# sequence (a NaN during warm-up, patience running out, a long bad stretch), a loss and a gradient norm exactly at
+# their limits, a NaN gradient norm beside a finite loss, spikes on the first step after warm-up; Llama 3's own
+# 16,384 GPUs and a few.
+EDGES = {
+    "12.1": [Edge("killed mid-step", lambda c: c["where"] == "train"),
+             Edge("killed while saving", lambda c: c["where"] == "save"),
+             Edge("an epoch that wraps", lambda c: c["wraps"])],
+    "12.2": [Edge("a last-bit flip", lambda c: 0 in c["bits"]),
+             Edge("two corrupted replicas, one of them rank 0",
+                  lambda c: c["kind"] == "two replicas" and 0 in c["ranks"]),
+             Edge("a clean run", lambda c: c["kind"] == "clean")],
+    "12.3": [Edge(f"guard sequence {k + 1}", lambda c, k=k: c["sequence"] == k) for k in range(4)] + [
+        Edge("a loss exactly at loss_factor × the median", lambda c: "loss_at_limit" in c["events"]),
+        Edge("a gradient norm exactly at grad_factor × the median", lambda c: "grad_at_limit" in c["events"]),
+        Edge("a NaN gradient norm beside a finite loss", lambda c: "nan_grad" in c["events"]),
+        Edge("a loss spike on the first step after warm-up", lambda c: c["spike_after_warmup"] == "spike"),
+        Edge("a gradient-norm spike on the first step after warm-up", lambda c: c["spike_after_warmup"] == "grad")],
+    "12.4": [Edge("16,384 GPUs (Llama 3's own)", lambda c: c["n_gpus"] == 16_384),
+             Edge("8 GPUs", lambda c: c["n_gpus"] == 8)],
+}
+
+# Surviving mutants of the solution cells that change nothing the exercises ask for (distlab notebooks mutants):
+# key (as benchmarks/results/mutants.txt names it) → why it is equivalent.
+EQUIVALENT_MUTANTS = {
+    '12.1 off-by-one: `0` → `1`':
+        'rank 1 records instead of rank 0: the same records, since train_step_ddp returns the loss averaged over ranks '
+        'on every rank',
+    '12.1 call-removed: `set_state_dict(self.model, self.optimizer, model_state_dict=state["mo…` → `pass`':
+        'DCP loads in place into the tensors state_dict() returned, which for this DDP model and AdamW are the live '
+        'parameters and optimizer states (get_state_dict initialises them), so set_state_dict only puts back what is '
+        'already there; it matters under FSDP or for state that is not a tensor',
+    '12.1 statements-swapped: `if fault is not None: fault.maybe_kill(rank, step) losses[step] = tra…` → `losses[step] '
+    '= train_step_ddp(setup, setup.order.next_batch()) if fau…`':
+        "the rank is killed after the step's compute instead of before it: nothing of that step is saved or recorded, "
+        'so the job resumes from the same checkpoint',
+    '12.1 statements-swapped: `if latest is not None: load_checkpoint({"train": state}, latest) loss…` → `losses = {} '
+    'if latest is not None: load_checkpoint({"train": state}, …`':
+        "two statements that do not read each other's names, in the other order",
+    '12.1 statements-swapped: `if rank == 0: log.append(attempt=attempt, step=step, loss=losses[step…` → `state.step = '
+    'step + 1 if rank == 0: log.append(attempt=attempt, step=…`':
+        "two statements that do not read each other's names, in the other order (the record names the loop's step, not "
+        'state.step)',
+    '12.1 statements-swapped: `self.order.load_state_dict(state["data"]) self.step = state["step"]` → `self.step = '
+    'state["step"] self.order.load_state_dict(state["data"])`':
+        "two statements that do not read each other's names, in the other order",
+    '12.1 statements-swapped: `set_state_dict(self.model, self.optimizer, model_state_dict=state["mo…` → '
+    '`self.order.load_state_dict(state["data"]) set_state_dict(self.model, …`':
+        "two statements that do not read each other's names, in the other order",
+    '12.2 statements-swapped: `names = [name for name, _ in model.named_parameters()] mine = torch.t…` → `mine = '
+    'torch.tensor([fingerprint(p) for _, p in model.named_parameter…`':
+        "two statements that do not read each other's names, in the other order",
+    '12.2 statements-swapped: `table = torch.stack(everyone) # [rank, parameter] suspects = {}` → `suspects = {} # '
+    '[rank, parameter] table = torch.stack(everyone)`':
+        "two statements that do not read each other's names, in the other order",
+    '12.3 arithmetic: `grad_norm / statistics.median(self.grad_norms)` → `grad_norm * '
+    'statistics.median(self.grad_norms)`':
+        'only the text of self.reason changes (the ratio it prints); the exercise asks for a few words on why, and the '
+        'checker grades the decisions',
+    '12.3 arithmetic: `grad_norm / statistics.median(self.grad_norms)` → `grad_norm // '
+    'statistics.median(self.grad_norms)`':
+        'only the text of self.reason changes (the ratio it prints); the exercise asks for a few words on why, and the '
+        'checker grades the decisions',
+    '12.3 arithmetic: `loss / statistics.median(self.losses)` → `loss * statistics.median(self.losses)`':
+        'only the text of self.reason changes (the ratio it prints); the exercise asks for a few words on why, and the '
+        'checker grades the decisions',
+    '12.3 arithmetic: `loss / statistics.median(self.losses)` → `loss // statistics.median(self.losses)`':
+        'only the text of self.reason changes (the ratio it prints); the exercise asks for a few words on why, and the '
+        'checker grades the decisions',
+    '12.3 statements-swapped: `if not (math.isfinite(loss) and math.isfinite(grad_norm)): problem = …` → '
+    '`self.bad_in_a_row += 1 if not (math.isfinite(loss) and math.isfinite(…`':
+        'the count is raised before the tests instead of after: a good step resets it to 0 before returning, a bad one '
+        'ends with the same count',
+    '12.3 statements-swapped: `self.bad_in_a_row += 1 self.reason = problem` → `self.reason = problem '
+    'self.bad_in_a_row += 1`':
+        "two statements that do not read each other's names, in the other order",
+    '12.3 statements-swapped: `self.grad_norms.append(grad_norm) self.bad_in_a_row, self.reason = 0,…` → '
+    '`self.bad_in_a_row, self.reason = 0, "" self.grad_norms.append(grad_no…`':
+        "two statements that do not read each other's names, in the other order",
+    '12.3 statements-swapped: `self.losses.append(loss) self.grad_norms.append(grad_norm)` → '
+    '`self.grad_norms.append(grad_norm) self.losses.append(loss)`':
+        "two statements that do not read each other's names, in the other order",
+    '12.3 statements-swapped: `self.reason = problem if self.bad_in_a_row >= self.patience: self.bad…` → `if '
+    'self.bad_in_a_row >= self.patience: self.bad_in_a_row = 0 return "…`':
+        "a rollback keeps the previous bad step's reason instead of its own: the same decisions (the reason is free "
+        'text, and the step before a rollback was bad too)',
+}
 
 EXERCISES = [
     Exercise("12.1", "resumable training: exact resume after a killed rank", 4, check_resumable_training,

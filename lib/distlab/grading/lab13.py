@@ -498,6 +498,27 @@ QUIZ = [
                 hint="'6. The run card': the terms of the step, and lab 11's 'MFU at 18%' suspects"),
 ]
 
+# Surviving mutants of the solution cells that change nothing the exercises ask for (distlab notebooks
+# mutants): key, as benchmarks/results/mutants.txt names it → why it is equivalent.
+EQUIVALENT_MUTANTS = {
+    '13.1 statements-swapped: `for e in result.feasible: # fastest first if runnable(e.layout): retu…` → `nearest = '
+    '[e for e in result.near_misses if runnable(e.layout)][:2] f…`':
+        'the near misses are listed before the loop instead of after it: the loop returns without reading them',
+    '13.2 statements-swapped: `order = window_order(windows, state["seed"], epoch) rows = batch_size…` → `rows = '
+    'batch_size // dp_size order = window_order(windows, state["see…`':
+        "two statements that do not read each other's names, in the other order",
+    '13.2 statements-swapped: `windows = (len(tokens) - 1) // seq_len epoch, position = state["epoch…` → `epoch, '
+    'position = state["epoch"], state["position"] windows = (len(to…`':
+        "two statements that do not read each other's names, in the other order",
+    '13.4 arguments-swapped: `mfu(flops_per_token, rate / len(records), peak_flops)` → `mfu(rate / len(records), '
+    'flops_per_token, peak_flops)`':
+        'MFU is flops_per_token × tokens_per_second / peak_flops, symmetric in its first two arguments',
+    '13.4 off-by-one: `0` → `-1`':
+        "every rank's record lists the same steps: the last record's step numbers are the first's",
+    '13.4 off-by-one: `0` → `1`':
+        "every rank's record lists the same steps: the second record's step numbers are the first's",
+}
+
 EXERCISES = [
     Exercise("13.1", "the layout, chosen with the planner", 2, check_choose_layout,
              references=("distlab.capstone.report.runnable_best",)),

@@ -64,11 +64,15 @@ def describe_factor(factor: float, world_size: int, accum: int = 1) -> str:
     hints = []
     if world_size > 1:
         hints += [(world_size, "gradients summed but not divided by world size?"),
-                  (1 / world_size, "gradients divided by world size twice (or divided without summing)?")]
+                  (1 / world_size, "gradients divided by world size twice (or divided without summing)?"),
+                  (world_size**2, "gradients multiplied by the world size instead of divided by it?")]
+        hints += [(world_size / k, f"gradients divided by {k}, not by the world size ({world_size})?")
+                  for k in range(2, 9) if k != world_size and world_size / k not in (1.0, accum)]
     if accum > 1:
         hints += [(accum, f"gradients of the {accum} micro-steps summed, but the loss not divided by {accum}?"),
                   (world_size * accum, f"summed over ranks and micro-steps: divide by world size and by {accum}"),
-                  (1 / accum, f"loss divided by {accum} twice?")]
+                  (1 / accum, f"loss divided by {accum} twice?"),
+                  (accum**2, f"loss multiplied by {accum} instead of divided by it?")]
     hints += [(0.0, "the parameter was not updated: its gradient was lost (not written back to p.grad, or zeroed)?"),
               (-1.0, "the update has the wrong sign?")]
     return " Or ".join(hint[0].upper() + hint[1:] if i else hint
