@@ -196,7 +196,7 @@ async def _run_one(run: _Run, manager_class, timeout: float, cell_timeout: float
         grade.skipped_cells = len(skip)
         env = confine.clean_environment(folder, **{DEFERRED_VARIABLE: "1"})
         answers, stopped = await _run_then_ask(
-            client, env, skip, lambda: quiz_expressions(notebook, set(running["started"]), questions))
+            client, env, skip, lambda: quiz_expressions(notebook, set(running["seconds"]), questions))
         run.answers = answers or {}
         if stopped is not None:
             over = "its time limit" if time.monotonic() >= deadline - 1 else "the cell time limit"
@@ -208,9 +208,9 @@ async def _run_one(run: _Run, manager_class, timeout: float, cell_timeout: float
         grade.error = f"the kernel died while cell {running['cell']} was running"
     except Exception as error:  # noqa: BLE001  a kernel that never started, a broken notebook
         grade.error = f"{type(error).__name__}: {first_line(error)}"
-    # A cell counts as run once it started: the one a time limit or a dead kernel stopped included (its check
-    # line may have been reached); cells after it never started.
-    run.ran = set(running["started"])
+    # A cell counts as run once the kernel replied for it (a cell that raised included): not the one a time limit
+    # or a dead kernel stopped, whose check line may never have been reached.
+    run.ran = set(running["seconds"])
     grade.cell_errors = [
         {"cell": index, "ename": output.get("ename", ""), "message": first_line(output.get("evalue", ""))}
         for index, cell in enumerate(notebook.cells) if cell.cell_type == "code"

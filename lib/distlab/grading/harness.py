@@ -11,8 +11,11 @@ them lives here, so that every lab draws, runs and compares the same way and a f
   or never finish becomes a :class:`~distlab.grading.contract.CheckFailed` that says so, not a traceback;
   :func:`rank_group` and :func:`run_job` for a checker that runs several jobs on a group of its own;
 * :func:`max_difference`, :func:`is_close` and :func:`assert_close`: a tensor against the reference,
-  the failure naming where and by how much (the one comparer every checker uses);
-* :func:`raise_if_untouched`: an untouched stub is "not attempted" before any rank starts.
+  the failure naming where and by how much (the one comparer every checker uses), on :func:`plain` data
+  (a tensor subclass or a number that lies about equality is compared as the plain value it holds);
+* :func:`raise_if_untouched`: an untouched stub is "not attempted" before any rank starts;
+* :func:`run_isolated`: the part of a checker that needs the student's objects whole, run where they live
+  (under ``distlab grade``, beside the grading process: :mod:`distlab.grading.isolation`).
 """
 
 from __future__ import annotations
