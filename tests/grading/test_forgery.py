@@ -6,9 +6,11 @@ without the work would add: the cell issue 43 found (it patched the kernel's led
 checkers in the kernel (``sys.modules``, ``gc``, ``builtins``, an import hook), functions that patch the checker,
 ``torch.distributed`` or the reply channel when the grader calls them (on ranks and in the sandbox), values and
 tensors that lie about equality, a kernel that prints a passing line and exits, results files, a daemon that
-outlives the notebook, reading the grader's environment and memory, and editing an installed checker. Lab 00 is
-the cheapest real lab (its checks run on ranks); lab 01's run in the sandbox (single-process functions). All
-notebooks of a kind are graded in one run, so the suite pays for one kernel factory and one grader factory.
+outlives the notebook, reading the grader's environment and memory, ending the grader's forkserver, and editing an
+installed checker. Lab 00 is the cheapest real lab (its checks run on ranks); lab 01's run in the sandbox
+(single-process functions). All notebooks of a kind are graded in one run, so the suite pays for one kernel factory
+and one grader factory. One hole is documented here rather than closed (a strict xfail): a count the student's own
+process takes of its calls is theirs to rewrite.
 """
 
 import json
@@ -304,6 +306,33 @@ except OSError as error:
 open({out!r}, "w").write(json.dumps(found))
 """
 
+KILL_THE_FORKSERVER = """def rank_sum():
+    import os, socket
+    server = os.getppid()  # the grader's forkserver: every rank is its child, and later exercises need it
+    sockets = {os.readlink(f"/proc/{server}/fd/{fd}")[8:-1] for fd in os.listdir(f"/proc/{server}/fd")
+               if os.readlink(f"/proc/{server}/fd/{fd}").startswith("socket:")}
+    for line in open("/proc/net/unix").read().splitlines()[1:]:
+        fields = line.split()
+        if len(fields) >= 8 and fields[6] in sockets and fields[7].startswith("@"):
+            client = socket.socket(socket.AF_UNIX)
+            client.connect("\\0" + fields[7][1:])
+            client.close()  # no descriptors sent: CPython's forkserver ends
+    return 0, 0, 0
+
+
+result = distlab.check("0.1", rank_sum)
+"""
+
+FORGED_COUNT = """def rank_sum():
+    import torch.distributed as d
+    from distlab.runtime import comm
+    comm.current_log().ops["all_reduce"].calls += 1  # the rank's own count of its calls: no all-reduce was made
+    return d.get_rank(), d.get_world_size(), d.get_world_size() * (d.get_world_size() - 1) // 2
+
+
+result = distlab.check("0.1", rank_sum)
+"""
+
 TOUCH_THE_CHECKER = """import os
 os.utime({checker!r})  # as a student editing an installed checker would: the file changes, what grades is theirs
 """
@@ -332,6 +361,8 @@ def graded(tmp_path_factory):
         "daemon": _forger(LAB00, DAEMON.format(pid_file=str(folder / "daemon.pid"),
                                                target=str(folder / "report.json"))),
         "snoop": _forger(LAB00, SNOOP.format(grader_pid=os.getpid(), out=str(folder / "snooped.json"))),
+        "count": _notebook([_exercise_cells(LAB00)[0], FORGED_COUNT]),
+        "forkserver": _notebook([_exercise_cells(LAB00)[0], KILL_THE_FORKSERVER]),
         "sandbox_reply": _notebook([_exercise_cells(LAB01)[0], CRAFTED_SANDBOX_REPLY.format(marker=marker)]),
         "sandbox_patch": _notebook([_exercise_cells(LAB01)[0], PATCH_ON_CALL_SANDBOX]),
         "liar_number": _notebook([_exercise_cells(LAB01)[0], LIAR_NUMBER]),
@@ -366,7 +397,8 @@ def graded(tmp_path_factory):
 
 
 FORGERS = ["issue43", "rebind", "checkers", "gc", "builtins", "hook", "on_call", "liars", "exit", "rank_reply",
-           "files", "daemon", "snoop", "sandbox_reply", "sandbox_patch", "liar_number", "sandbox_exit", "side_effect"]
+           "files", "daemon", "snoop", "forkserver", "sandbox_reply", "sandbox_patch", "liar_number", "sandbox_exit",
+           "side_effect"]
 
 
 @pytest.mark.timeout(900)
@@ -381,7 +413,17 @@ def test_a_forger_scores_nothing_it_did_not_solve(graded, forger):
 
 
 @pytest.mark.timeout(900)
+@pytest.mark.xfail(strict=True, reason="a known hole, not closed here: a count taken in the process that runs the "
+                   "student's code (here the rank's log of its collective calls) is that process's to rewrite; 0.1's "
+                   "'exactly one all_reduce' needs the count taken outside the rank (the kernel's socket counters)")
+def test_a_rank_that_rewrites_its_own_count_of_collectives_scores_nothing(graded):
+    grades, _, _ = graded
+    assert {e["id"]: e["status"] for e in grades["count"].exercises}["0.1"] != "passed"
+
+
+@pytest.mark.timeout(900)
 def test_the_solutions_graded_beside_them_score_full_marks(graded):
+    """Graded after every forger (one of them ended the grader's forkserver, which the factory starts again)."""
     grades, _, _ = graded
     for name in ("solved00", "solved01"):
         grade = grades[name]

@@ -217,13 +217,18 @@ def _needs(expressions: tuple[str, ...], before: list[tuple[int, str, ast.stmt]]
             continue
     chosen = {i for i, (_, _, node) in enumerate(before) if isinstance(node, ast.ImportFrom)
               and any(alias.name == "*" for alias in node.names)}
+    # Data the notebook built (a table, a config) can be changed in place; a module cannot, as far as this reads:
+    # ``distlab.claim(...)`` or ``torch.manual_seed(...)`` is a call, not a change to the name.
+    data = {name for i, (_, _, node) in enumerate(before) if not isinstance(node, (ast.Import, ast.ImportFrom))
+            for name in names[i][0]}
+    checks = {i for i, (_, _, node) in enumerate(before) if _is_check_line(node)}
     pending = list(wanted)
     seen = set(pending)
     while pending:
         name = pending.pop()
         for i in range(len(before)):
             (bound, read), changed = names[i], mutations[i]
-            if i in chosen or (name not in bound and name not in changed):
+            if i in chosen or i in checks or (name not in bound and (name not in changed or name not in data)):
                 continue
             chosen.add(i)
             for more in read - seen:
@@ -234,6 +239,14 @@ def _needs(expressions: tuple[str, ...], before: list[tuple[int, str, ast.stmt]]
         cell, source, node = before[i]
         cells.setdefault(cell, (source, []))[1].append(node.lineno)
     return Definitions(tuple((cell, source, tuple(lines)) for cell, (source, lines) in cells.items()))
+
+
+def _is_check_line(node: ast.stmt) -> bool:
+    """A statement whose calls include ``….check("…", …)``: it binds only a check's result, which no exercise's
+    code needs, and executing it would run a check."""
+    return any(isinstance(call.func, (ast.Attribute, ast.Name)) and getattr(call.func, "attr", getattr(
+        call.func, "id", None)) == "check" and call.args and isinstance(call.args[0], ast.Constant)
+        for call in _calls_in(node))
 
 
 def check_lines(notebook: nbformat.NotebookNode, ran: set[int]) -> dict[str, CheckLine]:

@@ -51,7 +51,7 @@ from distlab.grading.contract import CheckFailed, CheckResult, first_line
 from distlab.grading.definitions import Definitions, cell_filename
 from distlab.grading.harness import GRADE_SEED_VARIABLE, JOB_TIMEOUT, LONG_JOB_TIMEOUT
 from distlab.runtime import confine, payload
-from distlab.runtime.kernels import ForkFactory, adopt_forkserver
+from distlab.runtime.kernels import ForkFactory, adopt_forkserver, disown_forkserver
 
 __all__ = ["SealedCode", "SealedObject", "ExerciseGraders", "grade_exercise", "rebuild", "materialize"]
 
@@ -193,7 +193,8 @@ def _serve(conn: Connection, definitions: Definitions) -> None:
         except BaseException as error:  # noqa: BLE001  the student's error is the answer
             from distlab.runtime.rank import describe_error  # noqa: PLC0415  only the sandbox describes errors
 
-            reply = pickle.dumps(("error", describe_error(error, in_op=None)))
+            reply = pickle.dumps(("error", {**describe_error(error, in_op=None),
+                                             "exc_module": type(error).__module__}))
         try:
             conn.send_bytes(reply)
         except (BrokenPipeError, OSError):
@@ -214,6 +215,7 @@ def _start_sandbox(definitions: Definitions) -> tuple[Connection, int]:
             os.closerange(3, keep)
             os.closerange(keep + 1, 1 << 16)
             confine.seal_memory(False)  # the student's own process: nothing of the grader's to protect here
+            disown_forkserver()  # ranks the student's statements start come from a server of its own
             os.environ.pop(GRADE_SEED_VARIABLE, None)
             sys.stdout = sys.stderr = open(os.devnull, "w")  # noqa: SIM115  the process's life
             _serve(Connection(os.dup(keep)), definitions)
@@ -233,13 +235,18 @@ class StudentError(Exception):
 
 
 def _rebuilt_error(info: dict) -> BaseException:
-    """The student's exception, as the checker would have seen it: a builtin one rebuilt with its message (a
-    checker may expect a ``ValueError``), any other as a :class:`StudentError` of the same name. It carries the
+    """The student's exception, as the checker would have seen it: a builtin or distlab's one rebuilt with its message
+    (a checker may expect a ``ValueError`` or a ``CheckpointError``), any other as a :class:`StudentError` of the
+    same name. It carries the
     student's line (``student_line``), which :func:`~distlab.grading.contract.describe_error` shows."""
     exc_type, message = str(info.get("exc_type", "Exception")), str(info.get("message", ""))
     if exc_type == "CheckFailed":  # a part of the checker run beside the code found a mistake (it only ever fails)
         return CheckFailed(message)
     kind = getattr(builtins, exc_type, None)
+    module = sys.modules.get(str(info.get("exc_module", ""))) if str(info.get("exc_module", "")).startswith(
+        "distlab.") else None
+    if module is not None:  # the library's own (CheckpointError): a checker may catch it by its type
+        kind = getattr(module, exc_type, None)
     error: BaseException | None = None
     if isinstance(kind, type) and issubclass(kind, Exception):
         try:

@@ -43,8 +43,8 @@ from distlab.runtime import confine, group
 from distlab.runtime.group import forkserver_context
 from distlab.runtime.output import HEADLESS_ENV
 
-__all__ = ["ForkFactory", "KernelFactory", "serve_forks", "adopt_forkserver", "kernel_manager_class", "notebook_client",
-           "SHELL_POLL_SECONDS"]
+__all__ = ["ForkFactory", "KernelFactory", "serve_forks", "adopt_forkserver", "disown_forkserver",
+           "kernel_manager_class", "notebook_client", "SHELL_POLL_SECONDS"]
 
 # Started by jupyter_client as the "kernel": it asks the factory for a forked kernel, hands it its
 # stdio and a lifeline (the kernel exits when this process does, however it ends), forwards signals
@@ -225,6 +225,8 @@ def serve_forks(address: str, child: str, preload: Sequence[str] = (), rank_prel
                     del children[pid]
             if time.monotonic() - swept > 1.0:
                 swept = time.monotonic()
+                if context.get_start_method() == "forkserver":
+                    server_pid = _revive_forkserver(context, server_pid)
                 tracker = getattr(resource_tracker._resource_tracker, "_pid", None)  # multiprocessing's helper
                 _end_strays(set(children) | {server_pid, tracker})
     finally:
@@ -296,26 +298,68 @@ def adopt_forkserver() -> None:
 
     The forked kernel inherits the server's address and "alive" pipe, but the server is
     not its child, so multiprocessing's own liveness check (``waitpid``) would fail: check
-    with a signal 0 instead, and start a server of our own only if the factory's is gone.
+    that the process is there and not a zombie instead, and start a server of our own only if
+    the factory's is gone.
     """
     server = getattr(forkserver, "_forkserver", None)
     pid = getattr(server, "_forkserver_pid", None)
     if pid is None:
         return
-    start_own = type(server).ensure_running.__get__(server)
 
     def ensure_running():
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            if server._forkserver_alive_fd is not None:
-                os.close(server._forkserver_alive_fd)
-            server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None
-            server.ensure_running = start_own
-            return start_own()
+        if not _running(pid):
+            disown_forkserver()
+            return server.ensure_running()
         resource_tracker.ensure_running()
 
     server.ensure_running = ensure_running
+
+
+def disown_forkserver() -> None:
+    """Forget the forkserver this process inherited (a dead one, or one a process of a student's must not share):
+    its next launch starts a server of its own."""
+    server = getattr(forkserver, "_forkserver", None)
+    if server is None:
+        return
+    if server._forkserver_alive_fd is not None:
+        try:
+            os.close(server._forkserver_alive_fd)
+        except OSError:
+            pass
+    server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None
+    server.__dict__.pop("ensure_running", None)  # multiprocessing's own again, for a server of this process
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not ended (a zombie, not yet collected by its parent, has)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            stat = handle.read()
+        return stat[stat.rindex(b")") + 2:][:1] != b"Z"
+    except OSError:
+        return True  # no /proc: signal 0 is all there is
+
+
+def _revive_forkserver(context, pid: int | None) -> int | None:
+    """The factory's forkserver, started again if it died (CPython's ends when a client disconnects before it has
+    sent its descriptors, as one a student's code killed would), so the next child finds one; its pid."""
+    if pid is None or _running(pid):
+        return pid
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:
+        pass
+    disown_forkserver()
+    probe = context.Process(target=os.getpid, name="distlab-factory-probe")
+    probe.start()
+    probe.join()
+    return getattr(forkserver._forkserver, "_forkserver_pid", None)
 
 
 def kernel_manager_class(workdir: str, factory: KernelFactory | None = None):
