@@ -468,25 +468,32 @@ def _become_grader(request: dict, fds: list[int]) -> None:
 class ExerciseGraders:
     """The processes ``distlab grade`` grades exercises in: forked from one factory that imported the labs'
     checkers (and never ran a student's code), with an environment that holds no secret; where fork and fd passing
-    are missing, each is started fresh (slower, the same isolation)."""
+    are missing, each is started fresh (slower, the same isolation). The factory starts with the first exercise."""
 
     def __init__(self, checker_modules: list[str], env: dict):
-        self._env = env
+        self._env, self._modules = env, ["distlab.grading.isolation", *checker_modules]
         self._factory = None
-        if ForkFactory.available():
-            modules = ["distlab.grading.isolation", *checker_modules]
-            self._factory = ForkFactory("distlab.grading.isolation:_become_grader", modules, env=env, isolated=True,
-                                        rank_preload=modules)
+        self._starting = threading.Lock()
+
+    def _started(self) -> ForkFactory | None:
+        """The factory, started by the first exercise that needs it (a class whose notebooks reached no check line
+        starts none)."""
+        with self._starting:
+            if self._factory is None and ForkFactory.available():
+                self._factory = ForkFactory("distlab.grading.isolation:_become_grader", self._modules, env=self._env,
+                                            isolated=True, rank_preload=self._modules)
+            return self._factory
 
     def grade(self, request: dict, timeout: float) -> dict | None:
         """The result of one exercise (:func:`grade_exercise`), or None when the grading process gave none within
         ``timeout`` seconds (it is ended then, with everything it started)."""
-        if self._factory is None:
+        factory = self._started()
+        if factory is None:
             return self._grade_fresh(request, timeout)
         result_r, result_w = os.pipe()
         lifeline_r, lifeline_w = os.pipe()
         try:
-            sock, pid = self._factory.fork(request, [result_w, lifeline_r])
+            sock, pid = factory.fork(request, [result_w, lifeline_r])
         finally:
             os.close(result_w)
             os.close(lifeline_r)
@@ -521,9 +528,10 @@ class ExerciseGraders:
         return _parse_result(lines[-1].encode()) if lines else None
 
     def close(self) -> None:
-        if self._factory is not None:
-            self._factory.close()
-            self._factory = None
+        with self._starting:
+            if self._factory is not None:
+                self._factory.close()
+                self._factory = None
 
 
 def _read_until(fd: int, timeout: float) -> bytes | None:
