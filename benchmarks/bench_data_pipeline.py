@@ -12,7 +12,8 @@ We time both (medians of ``--repeats`` runs, one worker each, one after the othe
   timers give the stages datatrove does not run), and the ratio against our whole pipeline;
 * what each stage datatrove does not have costs us per document read.
 
-Results go to benchmarks/results/data_pipeline.{json,txt} (``distlab.results``); the lab notebook loads them.
+Results go to benchmarks/results/data_pipeline.{json,txt} (``distlab.results``); the lab notebook loads them. At a
+terminal a bar counts each part's runs (rate, ETA); the timed runs draw no bars of their own (``progress=False``).
 
 Two parts (``--parts``, both by default; a part not run keeps its saved figures and says when they were measured):
 
@@ -169,7 +170,7 @@ def run_ours(inputs, out: Path):
     from distlab.data import PipelineConfig, run_pipeline  # noqa: PLC0415  this file also runs in the datatrove venv
 
     start = time.perf_counter()
-    report = run_pipeline(inputs, out, PipelineConfig(), workers=1)
+    report = run_pipeline(inputs, out, PipelineConfig(), workers=1, progress=False)
     return time.perf_counter() - start, report
 
 
@@ -177,6 +178,7 @@ def stages_part(args, scratch: Path) -> tuple[dict, str]:
     """Our pipeline against datatrove on the same stages, one worker each: (figures, summary)."""
     from distlab import results  # noqa: PLC0415  this file also runs in the datatrove venv
     from distlab.data.samples import generate_sample  # noqa: PLC0415  this file also runs in the datatrove venv
+    from distlab.runtime.progress import progress  # noqa: PLC0415  this file also runs in the datatrove venv
 
     if args.inputs:
         input_dir = scratch / "input"
@@ -192,7 +194,7 @@ def stages_part(args, scratch: Path) -> tuple[dict, str]:
     inputs = sorted(input_dir.glob("*.gz"))
 
     ours, reports = [], []
-    for repeat in range(args.repeats):
+    for repeat in progress(range(args.repeats), desc="distlab.data runs", unit="run"):
         seconds, report = run_ours(inputs, scratch / f"ours{repeat}")
         ours.append(seconds)
         reports.append(report)
@@ -287,7 +289,7 @@ def phase_two_memory(inputs: list[Path], out: Path) -> tuple[int, int]:
 
     tracemalloc.start()
     base = tracemalloc.get_traced_memory()[0]
-    report = run_pipeline(inputs, out, PipelineConfig())  # every file resumed: phase 2 alone
+    report = run_pipeline(inputs, out, PipelineConfig(), progress=False)  # every file resumed: phase 2 alone
     peak = tracemalloc.get_traced_memory()[1] - base
     tracemalloc.stop()
     assert report.files_resumed == len(inputs)
@@ -301,11 +303,13 @@ def engines_part(args, scratch: Path) -> tuple[dict, str]:
 
     from distlab.data import PipelineConfig, run_pipeline  # noqa: PLC0415  this file also runs in the datatrove venv
     from distlab.data.ray_engine import connect  # noqa: PLC0415  imports Ray, which only this part needs
+    from distlab.runtime.progress import progress  # noqa: PLC0415  this file also runs in the datatrove venv
 
     crawl = replicated_crawl(scratch / "replicated", args.copies, args.engine_files)
     inputs = crawl["paths"]
     runs, ray_start = {"local": [], "ray": []}, []
     reports = {}
+    bar = progress(total=2 * args.engine_repeats, desc="engine runs", unit="run")
     for repeat in range(args.engine_repeats):
         for engine in ("local", "ray"):  # alternating, so a change in the machine's load hits both
             if engine == "ray":  # what `--engine ray` does without --address, timed apart: a cluster is up already
@@ -314,7 +318,7 @@ def engines_part(args, scratch: Path) -> tuple[dict, str]:
                 ray_start.append(time.perf_counter() - start)
             start = time.perf_counter()
             reports[engine] = run_pipeline(inputs, scratch / f"{engine}{repeat}", PipelineConfig(),
-                                           workers=args.workers, engine=engine)
+                                           workers=args.workers, engine=engine, progress=False)
             runs[engine].append(time.perf_counter() - start)
             if engine == "ray":
                 start = time.perf_counter()
@@ -322,6 +326,8 @@ def engines_part(args, scratch: Path) -> tuple[dict, str]:
                 ray_start[-1] += time.perf_counter() - start
             if engine == "ray" or repeat < args.engine_repeats - 1:  # the last local run's phase-1 results serve below
                 shutil.rmtree(scratch / f"{engine}{repeat}")
+            bar.update()
+    bar.close()
     same = {key: reports["local"].to_json()[key] == reports["ray"].to_json()[key]
             for key in ("documents_in", "kept", "rejected", "tokens", "shards")}
     n = reports["local"].documents_in
@@ -331,7 +337,8 @@ def engines_part(args, scratch: Path) -> tuple[dict, str]:
     with_start = n / statistics.median(run + up for run, up in zip(runs["ray"], ray_start)) / rate["local"]
 
     sizes, peaks = [], []
-    for count in sorted({max(1, len(inputs) * k // 4) for k in (1, 2, 3, 4)}):
+    for count in progress(sorted({max(1, len(inputs) * k // 4) for k in (1, 2, 3, 4)}), desc="phase-2 memory",
+                          unit="run"):
         documents, peak = phase_two_memory(inputs[:count], scratch / f"local{args.engine_repeats - 1}")
         sizes.append(documents)
         peaks.append(peak)

@@ -261,7 +261,8 @@ def test_the_capstone_worker_trains_under_torchrun_and_checkpoints(tmp_path):
     assert steps == ["1", "2", "3", "4"] and "[capstone dp2·pp1·tp1] done: 4 steps" in output, output[-3000:]
     assert [step for step, _ in list_checkpoints(tmp_path / "capstone_ckpt")] == [2, 4]
     results = [ast.literal_eval(line.split("] ", 1)[1]) for line in output.splitlines() if line.startswith("[rank ")]
-    assert len(results) == 2 and results[0]["losses"] == results[1]["losses"]  # the global batch's loss, everywhere
+    assert len(results) == 2 and results[0]["loss"] == results[1]["loss"]  # the global batch's loss, everywhere
+    assert [r["steps"] for r in results] == [4, 4] and "losses" not in results[0]  # one short line per rank
 
 
 # ---------------------------------------------------------------- arguments that cannot work

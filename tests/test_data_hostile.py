@@ -90,10 +90,10 @@ def test_a_truncated_file_costs_the_record_it_was_cut_in(tmp_path, keep_fraction
 
 
 @pytest.mark.parametrize("name,content", [
-    ("notes.gz", gzip.compress(b"GET / HTTP/1.1\nHost: example.com\n\n" * 200)),
+    ("notes.gz", gzip.compress(b"GET / HTTP/1.1\nHost: example.com\n\n" * 200, mtime=0)),
     ("notes.txt", b"just some text\n" * 50),
     ("picture.png", b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 4),
-])
+], ids=["notes.gz", "notes.txt", "picture.png"])  # ids by name: every test worker must collect the same ids
 def test_a_file_that_is_not_warc_is_one_rejection_and_one_warning(tmp_path, capfd, name, content):
     path = tmp_path / name
     path.write_bytes(content)

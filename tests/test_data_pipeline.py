@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections import Counter
@@ -22,6 +23,7 @@ from distlab.data.read import parse_wet
 from distlab.data.report import RunReport
 from distlab.data.samples import COOKIE_BANNER, generate_sample, prose
 from distlab.data.shards import EOT, ShardWriter, encode_document, gpt2_encoding, read_index, read_shard
+from distlab.runtime import progress
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared" / "data"
@@ -192,6 +194,27 @@ def test_a_run_killed_in_phase_two_leaves_the_previous_run_whole(sample, tmp_pat
     assert victim["id"] not in documents_on_disk(tmp_path)  # in no shard file at all, committed or not
     assert len(list(tmp_path.glob("gen-*"))) == 1
     RunReport.load(tmp_path).check_balance()
+
+
+def test_a_bar_per_phase_one_and_per_pass_of_phase_two_only_where_a_person_watches(sample, tmp_path, monkeypatch,
+                                                                                   capfd):
+    run_pipeline(sample.files[:1], tmp_path / "headless", BLOCKLIST)
+    assert capfd.readouterr() == ("", "")  # pytest is headless, as nbval and CI
+    monkeypatch.setattr(progress, "audience", lambda: "terminal")
+    report = run_pipeline(sample.files[:1], tmp_path / "watched", BLOCKLIST)
+    drawn = capfd.readouterr().err.replace("\r", "\n")
+    stages = {stage.name: stage for stage in report.stages}
+    finished = {"phase 1 · input files": (1, "file"),
+                "phase 2 · record-id + URL dedup": (stages["record_id"].docs_in, "doc"),
+                "phase 2 · near dedup": (stages["near_dedup"].docs_in, "doc"),
+                "phase 2 · line dedup: count lines": (stages["line_dedup"].docs_in, "doc"),
+                "phase 2 · line dedup + purge": (stages["line_dedup"].docs_in, "doc"),
+                "phase 2 · tokenize": (report.kept, "doc")}
+    for desc, (count, unit) in finished.items():
+        assert count > 0 and re.search(rf"{re.escape(desc)}: 100%\|.*\| {count}/{count} \[\d\d:\d\d<\d\d:\d\d, +"
+                                       rf"(?:[\d.]+|\?)({unit}/s|s/{unit})\]", drawn), (desc, count, drawn)
+    run_pipeline(sample.files[:1], tmp_path / "watched", BLOCKLIST, progress=False)  # distlab data run --no-progress
+    assert capfd.readouterr() == ("", "")
 
 
 def test_stale_temporaries_are_cleaned_at_start(sample, tmp_path):

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import os
 import random
+import re
 import shutil
 import signal
 import tempfile
@@ -22,9 +23,12 @@ import pytest
 
 from distlab.data.lineage import purge, read_jsonl
 from distlab.data.output import LINEAGE_FILE, REJECTED_FILE, WORK_DIR, RunDirectory
+from distlab.data.phases import file_key
 from distlab.data.pipeline import PipelineConfig, run_pipeline
+from distlab.data.ray_engine import RayEngine
 from distlab.data.read import parse_wet
 from distlab.data.samples import SampleRecord, edit_words, truncate_file, write_records
+from distlab.runtime import progress
 
 ray = pytest.importorskip("ray", reason="Ray is in the test extra (pip install -e '.[test]'); the engine needs it")
 
@@ -49,11 +53,17 @@ def ray_processes() -> list[psutil.Process]:
     return found
 
 
+# What Ray adds below its root for its longest socket: /ray-XXXXXXXX (the fixture's folder),
+# /session_2026-11-29_11-14-51_403943_<pid up to 7 digits>, /sockets/plasma_store.1.
+_RAY_SOCKET_SUFFIX = len("/ray-XXXXXXXX") + len("/session_2026-11-29_11-14-51_403943_4194304") + len(
+    "/sockets/plasma_store.1")
+
+
 def short_temp_root() -> str:
-    """The machine's temporary folder, or ``/tmp`` where that path is long (macOS): Ray's socket paths, made
-    under it, must fit in 107 bytes."""
+    """The machine's temporary folder, or ``/tmp`` where that path is too long (macOS's ``/var/folders/…``, a
+    fresh machine's scratch folder): Ray's socket paths, made under it, must fit in 107 bytes (``man 7 unix``)."""
     temp = tempfile.gettempdir()
-    return temp if len(temp) <= 48 else "/tmp"
+    return temp if len(os.fsencode(temp)) + _RAY_SOCKET_SUFFIX <= 107 else "/tmp"
 
 
 @pytest.fixture(scope="module")
@@ -216,3 +226,19 @@ def test_an_interrupted_run_resumes_from_its_finished_files(cluster, crawl, refe
     assert report.files_resumed >= 1 and report.files_processed >= 1
     assert report.files_resumed + report.files_processed == len(crawl)
     assert answer(report) == answer(local) and outputs(tmp_path) == outputs(local_out)
+
+
+def test_phase_one_shows_its_bar_of_files_where_a_person_watches_and_none_headless(cluster, crawl, tmp_path,
+                                                                                    monkeypatch, capfd):
+    one_page = [path for path in crawl if "one-page" in path.name]
+    with RayEngine() as engine:  # the module's cluster, already connected: the engine neither starts nor stops it
+        headless = list(engine.phase_one(one_page, tmp_path / "headless", CONFIG))
+        assert capfd.readouterr() == ("", "")  # pytest is headless, as nbval and CI
+        monkeypatch.setattr(progress, "audience", lambda: "terminal")
+        watched = list(engine.phase_one(one_page, tmp_path / "watched", CONFIG))
+    assert [(s["documents_in"], s["rejected"]) for s in watched] == [(s["documents_in"], s["rejected"])
+                                                                      for s in headless]
+    assert (tmp_path / "watched" / file_key(one_page[0]) / "done.json").is_file()
+    drawn = capfd.readouterr().err.replace("\r", "\n")
+    assert re.search(r"phase 1 · input files: 100%\|.*\| 1/1 \[", drawn), drawn
+

@@ -180,7 +180,7 @@ def test_every_command_in_the_guide_runs_as_written(scratch_class, no_leftover_r
     assert {e["status"] for e in by["bob"]["exercises"]} == {"not attempted"} and by["bob"]["error"] is None
     failed = {e["id"]: e for e in by["carol"]["exercises"] if e["status"] == "failed"}
     assert list(failed) == ["0.2"] and "divide by the world size" in failed["0.2"]["detail"]
-    assert "carol  0.2: rank 0, element 0" in first, first[-2000:]
+    assert "carol  0.2: rank 0 (world size 2" in first, first[-2000:]
     term = json.loads((scratch_class / "term.json").read_text())
     by = {n["student"]: n for n in term["notebooks"]}
     assert {s: (n["passed"], n["reused"], n["late"]) for s, n in by.items()} == {

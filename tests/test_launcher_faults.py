@@ -6,9 +6,11 @@ are short but the assertions never depend on how fast a loaded machine is: they 
 """
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import textwrap
 import threading
 import time
@@ -329,14 +331,21 @@ def scripts():
         if proc.poll() is None:
             proc.kill()
             proc.wait(timeout=60)
+    while _SCRIPT_TEMPS:
+        shutil.rmtree(_SCRIPT_TEMPS.pop(), ignore_errors=True)
+
+
+# The scripts' own temporary folders, made short: the forkserver's socket lives inside one, and pytest's
+# tmp_path under a fresh machine's $TMPDIR is longer than a Unix socket's path may be.
+_SCRIPT_TEMPS: list[str] = []
 
 
 def _script(tmp_path: Path, body: str) -> list[str]:
-    """A launching process that records every rank's pid (and its temp dir) under ``tmp_path``."""
+    """A launching process that records every rank's pid under ``tmp_path``, with a temporary folder of its own."""
+    _SCRIPT_TEMPS.append(tempfile.mkdtemp(prefix="dl-"))
     code = textwrap.dedent(f"""
         import os, subprocess, sys, time, tempfile
-        os.environ["TMPDIR"] = {str(tmp_path / "tmp")!r}
-        os.makedirs(os.environ["TMPDIR"], exist_ok=True)
+        os.environ["TMPDIR"] = {_SCRIPT_TEMPS[-1]!r}
         tempfile.tempdir = None
         import torch.distributed as dist, distlab
         def mark(kind="rank", pid=None):
@@ -429,6 +438,18 @@ def test_a_script_that_leaves_warm_ranks_open_still_exits_and_ends_them(tmp_path
 
 
 # ---------------------------------------------------------------- resources and bad arguments
+
+def test_a_temporary_folder_too_long_for_the_forkservers_socket_is_named_in_one_line(tmp_path):
+    deep = tmp_path.joinpath(*["a" * 20] * 5)
+    deep.mkdir(parents=True)
+    done = subprocess.run([sys.executable, "-c", "import distlab; distlab.launch(lambda: 1, 2)"],
+                          env={**os.environ, "TMPDIR": str(deep)}, capture_output=True, text=True, timeout=300)
+    assert done.returncode != 0
+    last = done.stderr.strip().splitlines()[-1]
+    assert last.startswith("OSError: the temporary folder") and str(deep) in last and "export TMPDIR=/tmp" in last, \
+        done.stderr[-2000:]
+    assert "AF_UNIX path too long" not in done.stderr
+
 
 def test_failed_launches_release_their_fds_and_threads():
     me = psutil.Process()

@@ -1,7 +1,7 @@
 """Lab 06: schedules are valid and reach their bubble in simulation; every schedule on real
-ranks equals single-process training and PyTorch's pipelining; the edge cases (m < p,
-layers not divisible by stages, a rank failing mid-schedule) end cleanly; the checkers pass
-the reference and explain typical mistakes."""
+ranks (the V schedules and a hand-written one included) equals single-process training and
+PyTorch's pipelining; the edge cases (m < p, layers not divisible by stages, a rank failing
+mid-schedule) end cleanly; the checkers pass the reference and explain typical mistakes."""
 
 import itertools
 import os
@@ -14,6 +14,7 @@ import distlab
 from distlab.grading import check, lab06
 from distlab.model import GPTConfig
 from distlab.pipeline_parallel import (
+    RECEIVE_AHEAD,
     Action,
     ScheduleError,
     balanced_partition,
@@ -28,6 +29,7 @@ from distlab.pipeline_parallel import (
     measured_bubble,
     measured_stage_times,
     one_f_one_b,
+    parse_schedule,
     peak_in_flight,
     pipeline_worker,
     reference_states,
@@ -44,9 +46,16 @@ from distlab.pipeline_parallel import (
 from distlab.runtime.launch import RankCrashed, RankFailed
 from distlab.runtime.timeline import Span
 
-pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("no_leftover_ranks")]
+pytestmark = [pytest.mark.timeout(180)]
 
 CFG = GPTConfig(vocab_size=48, seq_len=8, n_layer=4, n_head=2, d_model=16, tied_embeddings=False)
+
+
+@pytest.fixture(scope="module")
+def ranks2():
+    """Two warm ranks for every real-rank test of this module that needs two."""
+    with distlab.Ranks(2, collective_timeout=10) as ranks:
+        yield ranks
 
 
 @pytest.fixture
@@ -178,40 +187,7 @@ def test_measured_bubble_uses_the_common_window_and_the_busiest_stage():
 
 # ---------------------------------------------------------------- real ranks
 
-def test_every_schedule_equals_single_process_training_torch_pipelining_and_trains():
-    tied = GPTConfig(**{**CFG.__dict__, "tied_embeddings": True})
-    with distlab.Ranks(2, collective_timeout=10) as ranks:
-        for schedule, m, v, cfg in [("gpipe", 4, 1, CFG), ("1f1b", 4, 1, tied), ("1f1b", 1, 1, CFG),
-                                    ("interleaved", 2, 2, tied), ("zb-h1", 3, 1, CFG)]:
-            run = ranks.run(pipeline_worker, kwargs=dict(schedule=schedule, cfg=cfg, m=m, v=v, batch_size=2 * m,
-                                                         steps=1, lr=0.1, seed=3, data_seed=5))
-            assert_equal_to_reference(run, cfg, 1, 2 * m, lr=0.1, seed=3, data_seed=5)
-            activation = 2 * cfg.seq_len * cfg.d_model * 4  # rows x seq x d_model fp32, per micro-batch
-            if cfg is CFG and v == 1:  # (a tied embedding adds its gradient exchange)
-                assert run.comm[0].ops["isend"].payload_bytes == m * activation  # one activation per micro-batch
-                assert "send" not in run.comm[0].ops and "recv" not in run.comm[1].ops
-        run = ranks.run(torch_pipelining_worker, kwargs=dict(schedule="1f1b", cfg=CFG, m=4, batch_size=8, steps=1,
-                                                             warmup=0))
-        assert max(r["grad_diff"] for r in run) <= 1e-6
-        assert run[1]["ours_losses"] == pytest.approx(run[1]["torch_losses"], abs=1e-6)
-        summaries = ranks.run(train, kwargs=dict(steps=6, microbatches=2, rows=2, n_layer=2, d_model=32, n_head=2,
-                                                 vocab_size=64, seq_len=16, lr=3e-3))  # the torchrun entry point
-        assert summaries[0]["loss_first"] == summaries[1]["loss_first"]
-        assert summaries[0]["loss_last"] < summaries[0]["loss_first"]
-        assert summaries[0]["sent_bytes_per_step"] == 2 * 2 * 16 * 32 * 4  # m activations of rows x seq x d, fp32
-
-
-def test_receives_are_posted_one_compute_early():
-    """The last stage's receive of each activation is issued before the backward ahead of the forward
-    that needs it, so the transfer overlaps that backward (order of issue, not timing)."""
-    run = distlab.launch(pipeline_worker, 2, kwargs=dict(schedule="1f1b", cfg=CFG, m=4, batch_size=8, steps=1,
-                                                         warmup=0, return_state=False), show_output=False)
-    issued = sorted((s for s in run.spans if s.rank == 1 and (s.label == "irecv" or s.kind == "compute")),
-                    key=lambda s: s.start)
-    assert [s.label for s in issued] == ["irecv", "F0", "irecv", "B0", "F1", "irecv", "B1", "F2", "irecv", "B2",
-                                         "F3", "B3"]
-
-
+@pytest.mark.usefixtures("no_leftover_ranks")
 def test_four_stages_memory_and_uneven_layers():
     cfg = GPTConfig(**{**CFG.__dict__, "n_layer": 6})  # 6 layers on 4 stages: 2, 2, 1, 1
     with distlab.Ranks(4, collective_timeout=10) as ranks:
@@ -257,6 +233,7 @@ def _fail_mid_schedule(how, stamp):
 
 
 @pytest.mark.parametrize("how, error", [("raise", RankFailed), ("exit", RankCrashed)])
+@pytest.mark.usefixtures("no_leftover_ranks")
 def test_a_rank_failing_mid_schedule_ends_the_launch_within_seconds(how, error, tmp_path):
     stamp = tmp_path / "failed_at"
     with pytest.raises(error, match="rank 1"):
@@ -267,6 +244,7 @@ def test_a_rank_failing_mid_schedule_ends_the_launch_within_seconds(how, error, 
 
 # ---------------------------------------------------------------- checkers
 
+@pytest.mark.usefixtures("no_leftover_ranks")
 def test_checkers_pass_the_reference_and_explain_typical_mistakes(warm_groups_closed):
     assert check("6.1", even_partition, balanced_partition).status == "passed"
     assert check("6.2", gpipe, one_f_one_b).status == "passed"
@@ -301,12 +279,13 @@ def test_checkers_pass_the_reference_and_explain_typical_mistakes(warm_groups_cl
         lab06.check_executor(no_scaling)
 
 
+@pytest.mark.usefixtures("no_leftover_ranks")
 def test_untouched_stubs_are_not_attempted(warm_groups_closed):
     def stub(*args):
         raise NotImplementedError("Exercise 6.4: replace this line with your solution")
 
     for exercise, args in (("6.1", (stub, stub)), ("6.2", (stub, stub)), ("6.3", (stub,)), ("6.4", (stub,)),
-                           ("6.5", (stub,))):
+                           ("6.5", (stub,)), ("6.6", (stub,))):
         assert check(exercise, *args).status == "not attempted"
 
 
@@ -340,3 +319,64 @@ def test_replaying_a_timelines_own_stage_times_reproduces_it(schedule, v):
     again = replay(timeline.spans, sch, 4, v)
     assert [(s.rank, s.label, s.start, s.end) for s in again.spans] == [
         (s.rank, s.label, s.start, s.end) for s in timeline.spans]
+
+
+# ---------------------------------------------------------------- real ranks, two of them kept warm for the module
+# (last in the file: the tests above check that no rank outlives them, which these warm ranks would)
+
+def test_every_schedule_equals_single_process_training_torch_pipelining_and_trains(ranks2):
+    tied = GPTConfig(**{**CFG.__dict__, "tied_embeddings": True})
+    for schedule, m, v, cfg in [("gpipe", 4, 1, CFG), ("1f1b", 4, 1, tied), ("1f1b", 1, 1, CFG),
+                                ("interleaved", 2, 2, tied), ("zb-h1", 3, 1, CFG)]:
+        run = ranks2.run(pipeline_worker, kwargs=dict(schedule=schedule, cfg=cfg, m=m, v=v, batch_size=2 * m,
+                                                      steps=1, lr=0.1, seed=3, data_seed=5))
+        assert_equal_to_reference(run, cfg, 1, 2 * m, lr=0.1, seed=3, data_seed=5)
+        activation = 2 * cfg.seq_len * cfg.d_model * 4  # rows x seq x d_model fp32, per micro-batch
+        if cfg is CFG and v == 1:  # (a tied embedding adds its gradient exchange)
+            assert run.comm[0].ops["isend"].payload_bytes == m * activation  # one activation per micro-batch
+            assert "send" not in run.comm[0].ops and "recv" not in run.comm[1].ops
+    run = ranks2.run(torch_pipelining_worker, kwargs=dict(schedule="1f1b", cfg=CFG, m=4, batch_size=8, steps=1,
+                                                          warmup=0))
+    assert max(r["grad_diff"] for r in run) <= 1e-6
+    assert run[1]["ours_losses"] == pytest.approx(run[1]["torch_losses"], abs=1e-6)
+    summaries = ranks2.run(train, kwargs=dict(steps=6, microbatches=2, rows=2, n_layer=2, d_model=32, n_head=2,
+                                              vocab_size=64, seq_len=16, lr=3e-3))  # the torchrun entry point
+    assert summaries[0]["loss_first"] == summaries[1]["loss_first"]
+    assert summaries[0]["loss_last"] < summaries[0]["loss_first"]
+    assert summaries[0]["sent_bytes_per_step"] == 2 * 2 * 16 * 32 * 4  # m activations of rows x seq x d, fp32
+
+
+def test_receives_are_posted_two_computes_early(ranks2):
+    """The last stage's receive of each activation is issued RECEIVE_AHEAD = 2 computes before the forward that
+    needs it, so the sender finds the buffer posted and the transfer overlaps those computes (order of issue)."""
+    assert RECEIVE_AHEAD == 2
+    run = ranks2.run(pipeline_worker, kwargs=dict(schedule="1f1b", cfg=CFG, m=4, batch_size=8, steps=1, warmup=0,
+                                                  return_state=False), show_output=False)
+    issued = sorted((s for s in run.spans if s.rank == 1 and (s.label == "irecv" or s.kind == "compute")),
+                    key=lambda s: s.start)
+    assert [s.label for s in issued] == ["irecv", "irecv", "F0", "B0", "irecv", "F1", "B1", "irecv", "F2", "B2",
+                                         "F3", "B3"]
+
+
+def test_v_schedules_and_a_hand_written_one_equal_one_process_and_pytorchs(ranks2):
+    """ZB-V and DualPipeV on real ranks: weights equal to one process (a tied embedding whose two ends share rank 0;
+    fewer micro-batches than the V's 2p - 1), twice 1F1B's bytes; gradients equal to PyTorch's
+    ScheduleZBVZeroBubble / ScheduleDualPipeV on the same stages, which give each rank the same order of computes;
+    and a schedule written as text runs."""
+    tied = GPTConfig(**{**CFG.__dict__, "tied_embeddings": True})
+    activation = 2 * CFG.seq_len * CFG.d_model * 4
+    for schedule, m, cfg in [("zb-v", 4, CFG), ("zb-v", 1, tied), ("dualpipev", 4, tied)]:
+        run = ranks2.run(pipeline_worker, kwargs=dict(schedule=schedule, cfg=cfg, m=m, v=2, batch_size=2 * m, steps=1,
+                                                      lr=0.1, seed=3, data_seed=5))
+        assert_equal_to_reference(run, cfg, 1, 2 * m, lr=0.1, seed=3, data_seed=5)
+        assert run[0]["stages"] == [0, 3] and run[1]["stages"] == [1, 2]
+        assert [r["sent_bytes"] for r in run] == [2 * m * activation] * 2  # 1F1B: m activations per rank
+    for schedule in ("zb-v", "dualpipev"):
+        run = ranks2.run(torch_pipelining_worker, kwargs=dict(schedule=schedule, cfg=CFG, m=4, batch_size=8, steps=1,
+                                                              warmup=0))
+        assert max(r["grad_diff"] for r in run) <= 1e-6
+        assert run[0]["ours_losses"] == pytest.approx(run[0]["torch_losses"], abs=1e-6)
+        assert all(r["torch_order"] == r["ours_order"] for r in run), schedule
+    text = "0F0,0F1,0F2,0B0,0B1,0B2\n1F0,1B0,1F1,1B1,1F2,1B2"  # by hand: rank 0 as GPipe, rank 1 as 1F1B
+    run = ranks2.run(pipeline_worker, kwargs=dict(schedule=parse_schedule(text), cfg=CFG, m=3, batch_size=6, steps=1))
+    assert_equal_to_reference(run, CFG, 1, 6)

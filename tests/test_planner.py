@@ -1,25 +1,30 @@
 """The parallelism planner: published layouts, infeasible ones with their reasons, and the seeds' arithmetic."""
 
+import math
 import re
 from dataclasses import replace
 
 import pytest
 
+import distlab
 from distlab.memory import PRESETS
 from distlab.model import GPTConfig, flops_per_token
+from distlab.parallel3d.calibration import COLLECTIVES, Calibration, ComputeCost, Link, calibrate, load_cached
 from distlab.parallel3d.planner import (
     Cluster,
     Layout,
     ModelShape,
     bytes_per_axis,
+    calibrated_cluster,
     estimate,
     gradient_all_reduce_seconds,
     h100_cluster,
     plan,
     plot_plan,
+    prediction_lines,
     run_cost,
 )
-from distlab.pipeline_parallel import make_schedule, peak_in_flight, simulate
+from distlab.pipeline_parallel import bubble_fraction, make_schedule, peak_in_flight, simulate
 
 
 @pytest.mark.parametrize("p,m,v", [(4, 16, 1), (4, 2, 1), (8, 8, 1), (4, 8, 2), (4, 4, 4), (8, 16, 2)])
@@ -185,3 +190,96 @@ def test_a_budget_below_a_gigabyte_is_said_in_megabytes_not_as_zero_gigabytes():
     (reason,) = [r for r in estimate(tiny, cpu, Layout(dp=4, m=2), 8).reasons if "usable" in r]
     assert re.fullmatch(r"needs [\d.]+ MB per GPU \([\d.]+ MB states \+ [\d.]+ MB activations\), over the 0\.90 MB "
                         r"usable of 1\.00 MB HBM", reason), reason
+
+
+# ---------------------------------------------------------------- the planner calibrated on the machine it runs on
+
+def _calibration(world: int, cores: float, links: float = 1e-4, **compute) -> Calibration:
+    """A hand-made calibration of ``world`` ranks with ``cores`` devices' worth of compute between them (the time of
+    a rank alone over its time among busy ranks is cores/world), every block piece costing 1 ms unless given."""
+    pieces = dict(forward=1e-3, backward=2e-3, collectives_forward=0.0, collectives_backward=0.0, matmul=1e-3,
+                  matmul_flops=1e6, head_forward=1e-3, head_backward=2e-3, head_collectives=0.0, head_matmul=1e-3,
+                  head_matmul_flops=1e6, embedding_forward=0.0, embedding_backward=0.0, embedding_collectives=0.0)
+    pieces.update(compute)
+    sizes = [s for s in range(2, world + 1) if world % s == 0]
+    beta = 1e9 if links else math.inf  # free messages: no latency, no bytes
+    return Calibration(machine={"cpu": "test"}, world_size=world, model={}, peak_flops=1e10,
+                       compute={f"tp{t}-rows16": ComputeCost(t, 16, **pieces) for t in (1, 2)},
+                       links={**{f"{op}/{s}": Link(op, s, links, beta) for op in COLLECTIVES for s in sizes},
+                              "send/2": Link("send", 2, links, beta)},
+                       alone=cores / world, together=1.0, step_fixed=0.0, per_param_updated=0.0, per_param_held=0.0)
+
+
+TINY = GPTConfig(vocab_size=64, seq_len=16, n_layer=4, n_head=2, d_model=32, tied_embeddings=False)
+
+
+def test_a_calibrated_step_adds_up_and_a_balanced_pipeline_has_the_textbook_bubble():
+    model = ModelShape.from_config(TINY)
+    even = _calibration(4, cores=4.0, links=0.0, head_forward=0.0, head_backward=0.0)  # equal stages, free messages
+    est = estimate(model, calibrated_cluster(even, 1e9), Layout(dp=1, pp=4, m=8), 8, precision="fp32",
+                   calibration=even)
+    assert est.calibrated and est.feasible and est.step_time == pytest.approx(sum(est.seconds.values()))
+    assert sum(est.terms().values()) == pytest.approx(est.step_time)
+    assert est.bubble == pytest.approx(bubble_fraction(4, 8))  # unequal stages are what moves it
+    heavy_head = _calibration(4, cores=4.0, links=0.0)  # the last stage also runs the output layer and the loss
+    skewed = estimate(model, calibrated_cluster(heavy_head, 1e9), Layout(dp=1, pp=4, m=8), 8, precision="fp32",
+                      calibration=heavy_head)
+    assert skewed.bubble < est.bubble  # the busiest rank (the last) waits only for the fill and the drain
+
+
+def test_ranks_sharing_cores_run_faster_when_the_schedule_leaves_some_idle():
+    model = ModelShape.from_config(TINY)
+    full, shared = _calibration(4, cores=4.0, links=0.0), _calibration(4, cores=2.0, links=0.0)
+    dp4, pipe = Layout(dp=4, m=2), Layout(dp=2, pp=2, m=4)
+    times = {(name, layout.pp): estimate(model, calibrated_cluster(c, 1e9), layout, 8, precision="fp32",
+                                         calibration=c).seconds["compute"]
+             for name, c in (("full", full), ("shared", shared)) for layout in (dp4, pipe)}
+    # every rank busy (DP 4): the speed measured while all computed, whatever the cores
+    assert times[("shared", 1)] == pytest.approx(times[("full", 1)])
+    # a pipeline's light first stage idles, and its busy last stage gets more than its share of 2 cores for 4 ranks
+    assert times[("full", 2)] * 0.5 < times[("shared", 2)] < times[("full", 2)]
+
+
+def test_a_calibration_prices_what_it_measured_and_refuses_the_rest():
+    model = ModelShape.from_config(TINY)
+    cal = _calibration(4, cores=4.0)
+    cluster = calibrated_cluster(cal, 1e9)
+    with pytest.raises(ValueError, match="no compute at TP 1 with 32 tokens per micro-batch"):
+        estimate(model, cluster, Layout(dp=4, micro_batch=2, m=1), 8, precision="fp32", calibration=cal)
+    assert "calibrated model prices DP × PP × TP only" in estimate(model, cluster, Layout(dp=2, cp=2, m=4), 8,
+                                                                    calibration=cal).reasons[-1]
+    with pytest.raises(ValueError, match="the calibration measured 4 ranks, the cluster has 8"):
+        plan(model, h100_cluster(8), 8, calibration=cal)
+
+
+def test_calibrate_on_two_ranks_then_plan_and_the_cache_is_per_machine_and_world_size(tmp_path, monkeypatch):
+    """The whole loop on real ranks, fast (short measuring windows): measured, cached, read back; another world
+    size or another machine measures again."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    with distlab.Ranks(2, threads=1) as ranks:
+        cal = calibrate(ranks, TINY, micro_batch=(1,), window=0.02)
+        assert cal.source == "measured" and cal.world_size == 2 and sorted(cal.compute) == ["tp1-rows16",
+                                                                                            "tp2-rows16"]
+        assert list((tmp_path / "distlab" / "calibration").glob("*-world2.json"))
+        assert cal.peak_flops > 0 and 0 < cal.cores <= 2 and cal.per_param_updated > 0
+        assert cal.compute["tp2-rows16"].collectives_forward > 0 and cal.compute["tp1-rows16"].matmul_rate > 0
+        assert {"all_reduce/2", "reduce_scatter/2", "all_gather/2", "send/2"} <= set(cal.links)
+        again = calibrate(ranks, TINY, micro_batch=(1,), window=0.02)
+        assert again.source == "cache" and again.compute == cal.compute and again.links == cal.links
+        model = ModelShape.from_config(TINY)
+        result = plan(model, calibrated_cluster(cal, 1e9), 4, precision="fp32", cp=(1,), micro_batch=(1,),
+                      zero=(1,), calibration=cal)
+        assert {(e.layout.dp, e.layout.pp, e.layout.tp) for e in result.feasible} == {(2, 1, 1), (1, 2, 1), (1, 1, 2)}
+        for e in result.feasible:
+            assert e.calibrated and e.step_time == pytest.approx(sum(e.seconds.values())) and 0 < e.mfu < 1
+        assert result.find(tp=2).seconds["tp"] > 0 and result.find(dp=2).seconds["dp exposed"] > 0
+        lines = prediction_lines(result.best, model)
+        assert lines[0] == f"predicted for {result.best.layout} (calibrated on this machine):"
+        shapes = (cal.model, (1,), (1, 2))
+        assert load_cached(cal.machine, 2, *shapes).compute == cal.compute
+        assert load_cached({**cal.machine, "cpu": "another CPU"}, 2, *shapes) is None  # another machine
+        assert load_cached(cal.machine, 2, cal.model, (1, 2), (1, 2)) is None  # other shapes planned
+    with distlab.Ranks(1, threads=1) as one:
+        fresh = calibrate(one, TINY, micro_batch=(1,), window=0.02)
+    assert fresh.source == "measured" and fresh.world_size == 1 and not fresh.links  # another world size
+    assert len(list((tmp_path / "distlab" / "calibration").glob("*.json"))) == 2

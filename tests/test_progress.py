@@ -1,8 +1,10 @@
 """Progress bars: drawn for a person (terminal here; the notebook's widget in tests/test_magic.py and the browser
 test), silent where nobody watches, and drawn by the launcher for loops that run inside ranks."""
 
+import importlib.util
 import re
 import time
+from pathlib import Path
 
 import nbformat
 import pytest
@@ -90,3 +92,30 @@ def test_a_notebook_distlab_executes_holds_plain_rank_output_and_no_bar(tmp_path
     outputs = execute(tmp_path / "console.ipynb", cell_timeout=300).cells[1].outputs
     assert [(o.output_type, o.get("name"), o.get("text")) for o in outputs] == [
         ("stream", "stdout", "[ranks 0, 1] done 2\n")], outputs
+
+
+def _run_all():
+    """``benchmarks/run_all.py`` as a module (benchmarks are scripts, not a package)."""
+    spec = importlib.util.spec_from_file_location("run_all", Path(__file__).resolve().parents[1] / "benchmarks"
+                                                  / "run_all.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module.run_all
+
+
+def test_run_all_relays_the_scripts_output_above_one_bar_and_draws_none_headless(tmp_path, monkeypatch, capfd):
+    # A script's own bars stay silent: its stderr is a pipe, not the terminal (one bar for the whole run)
+    (tmp_path / "bench_a.py").write_text("import sys\nfor k in range(2):\n    print('a', k)\n"
+                                         "print('stderr is a terminal:', sys.stderr.isatty(), file=sys.stderr)\n")
+    (tmp_path / "bench_b.py").write_text("import sys\nprint('b fails')\nsys.exit(3)\n")
+    run_all = _run_all()
+    scripts = sorted(tmp_path.glob("bench_*.py"))
+    relayed = "\n=== bench_a.py\na 0\na 1\nstderr is a terminal: False\n\n=== bench_b.py\nb fails\n"
+    assert run_all(scripts) == ["bench_b.py"]
+    assert capfd.readouterr() == (relayed, "")  # headless (pytest): the output in order, no bar
+    monkeypatch.setattr(progress, "audience", lambda: "terminal")
+    assert run_all(scripts) == ["bench_b.py"]
+    out, err = capfd.readouterr()
+    assert out == relayed
+    assert re.search(r"benchmarks: 100%\|.*\| 2/2 \[\d\d:\d\d<\d\d:\d\d, +[\d.]+(script/s|s/script)\]",
+                     err.replace("\r", "\n")), err

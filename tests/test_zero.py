@@ -1,7 +1,7 @@
-"""Lab 04: every ZeRO stage equals single-process training and PyTorch's own (ZeroRedundancyOptimizer, FSDP2),
-holds the bytes the formulas say, moves the bytes the ring model says, handles padding, frozen, unused and tied
-parameters, rejects plans that cannot work before any rank starts, and the checkers pass the reference while
-explaining typical mistakes."""
+"""Lab 04: every ZeRO stage, and FSDP2's per-parameter design, equals single-process training and PyTorch's own
+(ZeroRedundancyOptimizer, FSDP2), holds the bytes the formulas say, moves the bytes the ring model says, handles
+padding, frozen, unused and tied parameters, rejects plans that cannot work before any rank starts, and the checkers
+pass the reference while explaining typical mistakes."""
 
 import time
 
@@ -18,14 +18,17 @@ from distlab.reference import max_abs_diff
 from distlab.workload import reference_run
 from distlab.zero import (
     FlatLayout,
+    PerParamFSDP,
     alloc_storage,
     assign_params,
     checkpoint_module,
+    dim0_chunk,
     free_storage,
     mixed_precision_step,
     plan_units,
     reshard,
     train,
+    train_per_param,
     train_worker,
     validate,
 )
@@ -360,9 +363,9 @@ def test_single_process_checkers_and_stubs():
     def stub(*args):
         raise NotImplementedError("Exercise 4.4: replace this line with your solution")
 
-    for exercise in ("4.4", "4.5"):
+    for exercise in ("4.4", "4.5", "4.6"):  # 4.6's stub is seen before any rank starts
         assert distlab.check(exercise, stub, quiet=True).status == "not attempted"
-    assert [e.id for e in lab04.EXERCISES][:5] == ["4.1", "4.2", "4.3", "4.4", "4.5"]
+    assert [e.id for e in lab04.EXERCISES][:6] == ["4.1", "4.2", "4.3", "4.4", "4.5", "4.6"]
     assert len(lab04.QUESTIONS) >= 5 and distlab.check("Q4.2", 1.5, quiet=True).status == "passed"
 
 
@@ -372,6 +375,136 @@ def test_stubs_inside_ranks_are_not_attempted(ranks):
 
     assert distlab.check("4.2", stub, quiet=True).status == "not attempted"
     assert distlab.check("4.3", stub, stub, quiet=True).status == "not attempted"
+
+
+# ---------------------------------------------------------------- FSDP2's design: per-parameter sharding
+# On the warm ranks above, with reshuffled data every step: equal to one process (bitwise where the reduction order
+# allows it: the same rows per rank, the same threads and N ≤ 2 addends; within 1e-6 otherwise), to one process that
+# applies the same casts in bf16 and fp16, and bitwise to PyTorch's fully_shard on the same groups; torch.optim
+# optimizers step the shards unchanged; gradients after the hook are shard-shaped fp32, replicated ones identical
+# on every rank; tied weights and sizes that do not divide the world work.
+
+# 61 and 90 rows do not divide 4 ranks (chunks of 16 and 23: the last rank holds 13 and 21 rows)
+ODD = GPTConfig(vocab_size=61, seq_len=8, n_layer=2, n_head=2, d_model=30, tied_embeddings=False)
+TIED = GPTConfig(vocab_size=61, seq_len=8, n_layer=1, n_head=2, d_model=30, tied_embeddings=True)
+
+
+def _worst_states(states, reference) -> float:
+    return max(max_abs_diff(got, want)[1] for got, want in zip(states, reference))
+
+
+def test_dim0_chunks_are_torch_chunk_sizes_and_bad_policies_fail_before_any_collective():
+    for rows in range(0, 13):
+        for world in (1, 2, 3, 4, 5):
+            sizes = [len(c) for c in torch.arange(rows).chunk(world)] if rows else []
+            sizes += [0] * (world - len(sizes))
+            got = [dim0_chunk(rows, world, r) for r in range(world)]
+            assert [length for _, length, _ in got] == sizes, (rows, world)
+            assert all(start == min(r * chunk, rows) for r, (start, _, chunk) in enumerate(got))
+    assert dim0_chunk(3, 4, 3) == (3, 0, 1)  # fewer rows than ranks: the last rank holds none
+    with pytest.raises(ValueError, match="ModuleList is a container"):
+        PerParamFSDP(GPT(ODD), (nn.ModuleList,))
+    with pytest.raises(ValueError, match="compute_dtype=torch.int8"):
+        PerParamFSDP(GPT(ODD), compute_dtype=torch.int8)
+    with pytest.raises(ValueError, match="tok_emb.weight is used by a sharded module and by lm_head"):
+        PerParamFSDP(GPT(TIED), (nn.Embedding,))  # tied to lm_head, which would stay replicated
+    with pytest.raises(RuntimeError, match="needs torch.distributed"):
+        PerParamFSDP(GPT(ODD))
+
+
+@pytest.fixture(scope="module")
+def fp32(ranks):
+    """SGD on 4 ranks, default policy (norms replicated), with rank 0's single-process run on the whole batch."""
+    return ranks[4].run(train_per_param, kwargs=dict(cfg=ODD, steps=3, batch_size=8, inspect=True,
+                                                     reference=dict(world_size=1)))
+
+
+def test_fp32_equals_one_process_bitwise_on_two_ranks_and_within_1e6_on_four(ranks, fp32):
+    # two ranks, each computing its rows as one process does, with the same threads: a + b = b + a, exactly
+    two = ranks[2].run(train_per_param, kwargs=dict(cfg=ODD, steps=3, batch_size=8,
+                                                    reference=dict(world_size=2)))
+    assert all(_worst_states(out["states"], two[0]["reference"]) == 0.0 for out in two)
+    # four ranks: the reduce-scatter adds four gradients in its own order, one process sums its batch rows in one
+    # pass: different rounding, nothing more
+    assert max(_worst_states(out["states"], fp32[0]["reference"]) for out in fp32) < 1e-6
+    assert all(_worst_states(out["states"], fp32[0]["states"]) == 0.0 for out in fp32)  # every rank, the same weights
+    seen = fp32[0]["optimizer_sees"]  # torch.optim.SGD over nn.Parameters shaped like rows of each tensor
+    assert {kind for *_, kind in seen} == {"Parameter"}
+    assert ("module.lm_head.weight", (16, 30), "float32", "Parameter") in seen  # 61 rows on 4 ranks: 16 here
+    assert ("module.blocks.0.ln1.weight", (30,), "float32", "Parameter") in seen  # replicated: whole
+
+
+def test_fp32_gradients_after_the_hook_are_shards_and_replicated_ones_identical_on_every_rank(fp32):
+    for rank, out in enumerate(fp32):
+        for name, grad in out["grads"].items():
+            shape = GPT(ODD).get_parameter(name.removeprefix("module.")).shape
+            assert grad.dtype == torch.float32, (name, grad.dtype)
+            if ".ln" in name:
+                assert grad.shape == shape and torch.equal(grad, fp32[0]["grads"][name]), (rank, name)
+            else:
+                _, length, _ = dim0_chunk(shape[0], 4, rank)
+                assert grad.shape == (length, *shape[1:]), (rank, name, grad.shape)
+
+
+def test_mixed_precision_matches_the_cast_reference_with_fp32_shard_gradients(ranks, fp32):
+    for dtype, tolerance in ((torch.bfloat16, 1e-4), (torch.float16, 1e-5)):
+        cast = dict(world_size=4, compute_dtype=dtype)
+        run = ranks[4].run(train_per_param, kwargs=dict(cfg=ODD, steps=3, batch_size=8, compute_dtype=dtype,
+                                                        inspect=True, reference=cast))
+        to_cast = _worst_states(run[0]["states"], run[0]["reference"])
+        to_fp32 = _worst_states(run[0]["states"], fp32[0]["states"])
+        assert to_cast < tolerance and to_cast < to_fp32 / 5, (dtype, to_cast, to_fp32)  # the casts explain it
+        for rank, out in enumerate(run):
+            assert {g.dtype for g in out["grads"].values()} == {torch.float32}, (dtype, rank)  # fp32 after the hook
+            assert all(g.shape == fp32[rank]["grads"][name].shape for name, g in out["grads"].items())
+            assert all(torch.equal(g, run[0]["grads"][name]) for name, g in out["grads"].items() if ".ln" in name)
+
+
+def test_adamw_bitwise_equal_to_fully_shard_on_the_same_groups_and_to_one_process(ranks):
+    same = dict(cfg=ODD, steps=3, batch_size=8, sharded=(nn.Linear, nn.Embedding, GPT), optimizer="adamw",
+                lr=1e-3)
+    ours = ranks[4].run(train_per_param, kwargs=dict(same, reference=dict(world_size=1)))
+    theirs = ranks[4].run(train_per_param, kwargs=dict(same, impl="torch"))
+    assert _worst_states(ours[0]["states"], theirs[0]["states"]) == 0.0  # the same sums in the same order, then /N
+    assert _worst_states(ours[0]["states"], ours[0]["reference"]) < 1e-5  # Adam divides by √v: rounding grows
+
+
+def test_tied_weights_are_one_shard_gathered_by_both_modules(ranks):
+    run = ranks[4].run(train_per_param, kwargs=dict(cfg=TIED, steps=3, batch_size=8, inspect=True,
+                                                    reference=dict(world_size=1)))
+    assert max(_worst_states(out["states"], run[0]["reference"]) for out in run) < 1e-6
+    names = [name for name, *_ in run[0]["optimizer_sees"]]
+    assert "module.tok_emb.weight" in names and "module.lm_head.weight" not in names  # one tensor, one shard
+    assert run[0]["comm"]["all_gather"]["calls"] == 2 * (2 + 4 + 1)  # tok_emb and lm_head each gather it
+
+
+def _fewer_rows_than_ranks():
+    """A net whose layers have 3 and 2 rows on 4 ranks: AdamW over shards of one row, or none."""
+    rank, world = dist.get_rank(), dist.get_world_size()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(6, 3), nn.Tanh(), nn.Linear(3, 2))
+    single = nn.Sequential(nn.Linear(6, 3), nn.Tanh(), nn.Linear(3, 2))
+    single.load_state_dict(model.state_dict())
+    net = PerParamFSDP(model)
+    optimizers = [torch.optim.AdamW(net.parameters(), lr=1e-2), torch.optim.AdamW(single.parameters(), lr=1e-2)]
+    x = torch.randn(4 * world, 6, generator=torch.Generator().manual_seed(1))
+    for step in range(3):
+        net(x[4 * rank:4 * (rank + 1)]).square().mean().backward()
+        single(x).square().mean().backward()
+        for opt in optimizers:
+            opt.step()
+            opt.zero_grad(set_to_none=True)
+    return ([tuple(p.shape) for p in net.parameters()], net.full_state_dict(rank0_only=True), net.full_state_dict(),
+            {k: v.clone() for k, v in single.state_dict().items()})
+
+
+def test_fewer_rows_than_ranks_and_the_full_state_dict_on_rank_0_or_everywhere(ranks):
+    run = ranks[4].run(_fewer_rows_than_ranks)
+    assert [shapes for shapes, *_ in run] == [[(1, 6), (1,), (1, 3), (1,)], [(1, 6), (1,), (1, 3), (1,)],
+                                              [(1, 6), (1,), (0, 3), (0,)], [(0, 6), (0,), (0, 3), (0,)]]
+    _, on_zero, everywhere, single = run[0]
+    assert max_abs_diff(everywhere, single)[1] < 1e-6 and max_abs_diff(on_zero, everywhere)[1] == 0.0
+    assert all(out[1] == {} and max_abs_diff(out[2], everywhere)[1] == 0.0 for out in run[1:])
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU")

@@ -49,9 +49,10 @@ def exercise_cells(name: str, exercises) -> dict[str, str]:
                            in c.source) for exercise in exercises}
 
 
-def solution_namespace(name: str, lab: int) -> dict:
-    """The solution notebook's import lines and every cell holding one of lab ``lab``'s exercises, run in a fresh
-    namespace (as a kernel's globals): the right answers, exactly as the notebook writes them."""
+def solution_namespace(name: str, lab: int, only: tuple[str, ...] = ()) -> dict:
+    """The solution notebook's import lines and every cell holding one of lab ``lab``'s exercises (``only`` these
+    exercise ids, when given), run in a fresh namespace (as a kernel's globals): the right answers, exactly as the
+    notebook writes them, each checked by its cell."""
     cells = nbformat.read(REPO / "solutions" / name, as_version=4).cells
     namespace = {"__name__": f"lab{lab:02d}_notebook"}
     setup = "\n".join(line for line in cells[1].source.splitlines() if not line.startswith("%"))
@@ -59,7 +60,8 @@ def solution_namespace(name: str, lab: int) -> dict:
                if isinstance(node, ast.Import | ast.ImportFrom)]
     exec("\n".join(imports), namespace)  # noqa: S102  the solution notebook's own import lines
     for cell in cells:
-        if cell.cell_type == "code" and f"# BEGIN SOLUTION {lab}." in cell.source:
+        if cell.cell_type == "code" and f"# BEGIN SOLUTION {lab}." in cell.source and (
+                not only or any(f"# BEGIN SOLUTION {exercise}\n" in cell.source for exercise in only)):
             exec(cell.source, namespace)  # noqa: S102  the solution notebook's own exercise code
     return namespace
 

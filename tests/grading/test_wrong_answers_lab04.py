@@ -4,7 +4,9 @@ each wrong answer fails at its checker's first case, so the table stays cheap.
 
 Cases that a world size of 2 (N − 1 = 1) or equal tensors could hide: 4.1 dividing by N − 1 (the same as not
 dividing at N = 2; its first case has 4 ranks) and 4.2 summing without dividing (its first case is a bf16 bucket
-on 4 ranks whose gradients cancel, so no ratio of equal tensors hides it).
+on 4 ranks whose gradients cancel, so no ratio of equal tensors hides it). 4.6's first case has 4 ranks and rows
+that leave a remainder of 1 or 2, where a balanced split (``tensor_split``) and FSDP2's ⌈d₀/N⌉ rows differ (at
+N = 2, or a remainder of N − 1, they coincide).
 """
 
 import re
@@ -16,7 +18,14 @@ from torch.utils.checkpoint import checkpoint
 
 import distlab
 from distlab.grading import lab04
-from distlab.zero import FlatLayout, alloc_storage, checkpoint_module, mixed_precision_step, reduce_scatter_grads
+from distlab.zero import (
+    FlatLayout,
+    alloc_storage,
+    checkpoint_module,
+    mixed_precision_step,
+    reduce_scatter_dim0,
+    reduce_scatter_grads,
+)
 from distlab.zero import reshard as right_reshard
 from distlab.zero import unshard as right_unshard
 
@@ -216,6 +225,117 @@ def calls_itself(module):  # the lambda looks module.forward up when it runs: it
     module.forward = lambda *args: checkpoint(module.forward, *args, use_reentrant=False)
 
 
+# ---------------------------------------------------------------- 4.6: FSDP2's reduce-scatter and its mistakes
+
+def _chunk(rows, world):
+    return -(-rows // world)
+
+
+def _rank_major(grads, world, dtype=torch.float32):
+    """The solution's send buffer: row r holds chunk r of every gradient, each padded to N·c rows."""
+    blocks = []
+    for g in grads:
+        padded = g.new_zeros((world * _chunk(g.shape[0], world), *g.shape[1:]), dtype=dtype)
+        padded[:g.shape[0]] = g
+        blocks.append(padded.view(world, -1))
+    return torch.cat(blocks, dim=1)
+
+
+def _split(mine, grads, world, rank, keep_padding=False):
+    out, offset = [], 0
+    for g in grads:
+        chunk = _chunk(g.shape[0], world)
+        length = max(0, min(chunk, g.shape[0] - rank * chunk))
+        piece = mine[offset:offset + chunk * g[0].numel()].view(chunk, *g.shape[1:])
+        out.append(piece if keep_padding else piece[:length])
+        offset += chunk * g[0].numel()
+    return out
+
+
+def _reduce(send, world):
+    mine = torch.empty(send.numel() // world, dtype=send.dtype)
+    dist.reduce_scatter_tensor(mine, send.reshape(-1))
+    return mine
+
+
+@torch.no_grad()
+def flattens_before_padding(grads):  # pads the flattened gradient: shards that cut rows apart
+    world = dist.get_world_size()
+    out = []
+    for g in grads:
+        flat = g.float().reshape(-1)
+        padded = torch.cat([flat, flat.new_zeros(-flat.numel() % world)])
+        out.append(_reduce(padded, world) / world)
+    return out
+
+
+@torch.no_grad()
+def splits_rows_evenly(grads):  # tensor_split's balanced pieces instead of torch.chunk's ⌈d₀/N⌉ rows
+    world, rank = dist.get_world_size(), dist.get_rank()
+    blocks, lengths = [], []
+    for g in grads:
+        chunk = _chunk(g.shape[0], world)
+        pieces = g.float().tensor_split(world)
+        padded = torch.zeros(world, chunk, *g.shape[1:])
+        for r, piece in enumerate(pieces):
+            padded[r, :len(piece)] = piece
+        blocks.append(padded.view(world, -1))
+        lengths.append(len(pieces[rank]))
+    mine, out, offset = _reduce(torch.cat(blocks, dim=1), world) / world, [], 0
+    for g, length in zip(grads, lengths):
+        size = _chunk(g.shape[0], world) * g[0].numel()
+        out.append(mine[offset:offset + size].view(-1, *g.shape[1:])[:length])
+        offset += size
+    return out
+
+
+@torch.no_grad()
+def keeps_the_padding_rows(grads):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    return _split(_reduce(_rank_major(grads, world), world) / world, grads, world, rank, keep_padding=True)
+
+
+@torch.no_grad()
+def sums_without_dividing(grads):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    return _split(_reduce(_rank_major(grads, world), world), grads, world, rank)
+
+
+@torch.no_grad()
+def reduces_in_the_compute_dtype(grads):  # sums bf16 gradients in bf16, casts the result
+    world, rank = dist.get_world_size(), dist.get_rank()
+    mine = _reduce(_rank_major(grads, world, dtype=grads[0].dtype), world).float() / world
+    return _split(mine, grads, world, rank)
+
+
+@torch.no_grad()
+def returns_the_compute_dtype(grads):  # reduces in fp32, then rounds the shards back to bf16
+    world, rank = dist.get_world_size(), dist.get_rank()
+    shards = _split(_reduce(_rank_major(grads, world), world) / world, grads, world, rank)
+    return [s.to(g.dtype) for s, g in zip(shards, grads)]
+
+
+@torch.no_grad()
+def lays_out_parameter_by_parameter(grads):  # each padded gradient whole after the other
+    world, rank = dist.get_world_size(), dist.get_rank()
+    send = torch.cat([_rank_major([g], world).reshape(-1) for g in grads])
+    return _split(_reduce(send, world) / world, grads, world, rank)
+
+
+@torch.no_grad()
+def one_reduce_scatter_per_gradient(grads):  # right values, N collectives where FSDP2 makes one
+    world, rank = dist.get_world_size(), dist.get_rank()
+    return [_split(_reduce(_rank_major([g], world), world) / world, [g], world, rank)[0] for g in grads]
+
+
+@torch.no_grad()
+def all_reduces_then_slices(grads):
+    world, rank = dist.get_world_size(), dist.get_rank()
+    send = _rank_major(grads, world)
+    dist.all_reduce(send)
+    return _split(send[rank] / world, grads, world, rank)
+
+
 WRONG = [  # (exercise, the wrong answer, what the message must say)
     ("4.1", (Summed,), r"by a factor of 4\.00: gradients summed but not divided by world size"),
     ("4.1", (DividedByNMinusOne,), r"rank \d's .* differs from the reference .*by a factor of 1\.33"),
@@ -236,11 +356,21 @@ WRONG = [  # (exercise, the wrong answer, what the message must say)
     ("4.5", (does_nothing,), r"as many as without checkpointing"),
     ("4.5", (reentrant,), r"does not require grad any more: reentrant checkpointing"),
     ("4.5", (calls_itself,), r"raised RecursionError"),
+    ("4.6", (flattens_before_padding,), r"you sharded the flattened gradient; FSDP2 keeps whole rows"),
+    ("4.6", (splits_rows_evenly,), r"you split the \d+ rows evenly \(tensor_split"),
+    ("4.6", (keeps_the_padding_rows,), r"that is the padded chunk: drop the padding rows"),
+    ("4.6", (sums_without_dividing,), r"it is 4× the mean: divide the reduce-scatter's sum by the world size"),
+    ("4.6", (reduces_in_the_compute_dtype,), r"carried 2 bytes per element: the gradients were reduced in the "
+                                             r"compute dtype"),
+    ("4.6", (returns_the_compute_dtype,), r"is bfloat16: reduce and return fp32"),
+    ("4.6", (lays_out_parameter_by_parameter,), r"you laid the padded gradients one after the other"),
+    ("4.6", (one_reduce_scatter_per_gradient,), r"[34] reduce-scatters for [34] gradients; FSDP2 makes one per group"),
+    ("4.6", (all_reduces_then_slices,), r"you used all_reduce: every rank received what it then throws away"),
 ]
 
 RIGHT = {"4.1": (Sharded,), "4.2": (reduce_scatter_grads,), "4.3": (right_unshard, right_reshard),
-         "4.4": (mixed_precision_step,), "4.5": (checkpoint_module,)}
-RIGHT_SAYS = {"4.1": "1/N of the state", "4.2": "fp32", "4.3": "1.5× DDP's bytes"}
+         "4.4": (mixed_precision_step,), "4.5": (checkpoint_module,), "4.6": (reduce_scatter_dim0,)}
+RIGHT_SAYS = {"4.1": "1/N of the state", "4.2": "fp32", "4.3": "1.5× DDP's bytes", "4.6": "one reduce-scatter"}
 
 
 @pytest.mark.parametrize("exercise, wrong, message", WRONG, ids=[f"{e}-{w[-1].__name__}" for e, w, _ in WRONG])

@@ -16,7 +16,7 @@ pytestmark = [pytest.mark.timeout(180), pytest.mark.usefixtures("one_thread")]
 
 NOTEBOOK = Path(__file__).resolve().parents[2] / "solutions" / "06_pipeline_parallel.ipynb"
 ANSWERS = {"6.1": ("even_partition", "balanced_partition"), "6.2": ("gpipe", "one_f_one_b"),
-           "6.3": ("interleaved_1f1b",), "6.4": ("execute",), "6.5": ("zero_bubble_h1",)}
+           "6.3": ("interleaved_1f1b",), "6.4": ("execute",), "6.5": ("zero_bubble_h1",), "6.6": ("zero_bubble_v",)}
 CELLS = exercise_cells("06_pipeline_parallel.ipynb", ANSWERS)
 IMPORTS = ("import torch\nimport distlab\nfrom distlab.pipeline_parallel import Action, with_p2p, channels, lm_loss, "
            "format_schedule, validate, simulate, interleaved_bubble_fraction, peak_in_flight\n")
@@ -112,6 +112,23 @@ WRONG = [
     ("6.5", "every weight gradient deferred to the cool-down",
      answer("6.5", "deferred, w = min(p - r - 1, m), min(r, m), 0", "deferred, w = min(p - r - 1, m), m, 0"),
      r"idle .* should idle|in flight"),
+    ("6.6", "a W before its I", answer("6.6", '            for kind in "FIW":', '            for kind in "FWI":'),
+     r"comes before .*\(the weight gradient follows the input gradient\)"),
+    ("6.6", "the V mirrored the wrong way: second stage p + r (looped)",
+     answer("6.6", "down, up = r, 2 * p - 1 - r", "down, up = r, p + r"), r"looped, as interleaved 1F1B"),
+    ("6.6", "the second stage on the mirrored rank, 2p - 1 - r down and r up",
+     answer("6.6", "down, up = r, 2 * p - 1 - r", "down, up = 2 * p - 1 - r, r"), r"goes down first"),
+    ("6.6", "full backwards where ZB-V splits them",
+     answer("6.6", '            for kind in "FIW":', '            for kind in "FB":'), r"uses full backwards \(B\)"),
+    ("6.6", "warm-up one forward too long, 2(p - r)",
+     answer("6.6", "for _ in range(2 * (p - r) - 1):", "for _ in range(2 * (p - r)):"),
+     r"first phase runs 2\(p - r\) - 1 forwards"),
+    ("6.6", "no padding to 2p - 1 micro-batches for small m",
+     answer("6.6", "n = max(m, 2 * p - 1)", "n = m"), r"never runs|deadlocks|idle|in flight|outside"),
+    ("6.6", "weight gradients not deferred in the cool-down",
+     answer("6.6", '            add("I", down)\n            add("I", up)\n', '            add("I", down)\n'
+            '            add("W", down)\n            add("I", up)\n            add("W", up)\n'),
+     r"idle .* ZB-V idles|in flight|comes before"),
 ]
 
 

@@ -45,6 +45,8 @@ WRONG = [
     ("13.1", "    for e in result.feasible:  # fastest first",
      "    for e in result.near_misses + result.feasible:",
      r"the planner rejects .*: needs .* per GPU|no layout the worker runs fits"),
+    ("13.1", "                     + \"; \".join(f\"{e.layout}: {'; '.join(e.reasons)}\" for e in nearest))",
+     "                     + \"no layout fits\")", r"without the planner's reasons: put the nearest runnable misses"),
     # 13.2: the loader
     ("13.2", "    first = position + dp_rank * rows", "    first = position",
      r"equals DP rank 0's rows of this step: each rank takes its own rows"),
@@ -53,6 +55,12 @@ WRONG = [
     ("13.2", "tokens[k * seq_len:k * seq_len + seq_len + 1] for k in",
      "tokens[k * (seq_len + 1):k * (seq_len + 1) + seq_len + 1] for k in",
      r"windows start every seq_len \+ 1 tokens|window k is tokens\[k·seq_len"),
+    ("13.2", "for k in order[first:first + rows].tolist()",
+     "for k in order[position + dp_rank:position + batch_size:dp_size].tolist()",
+     r"every \d+th window of the step .*DistributedSampler's habit.*its own block of the global batch"),
+    ("13.2", "    if position + batch_size > windows // batch_size * batch_size:", "    if position >= windows:",
+     r"the epoch's last batch is incomplete and is dropped \(drop_last\)|"
+     r"incomplete batch and are dropped \(drop_last\)"),
     ("13.2", "    return batch[:, :-1], batch[:, 1:], {", "    return batch[:, :-1], batch[:, :-1], {",
      r"x is right but y is not: y is x shifted by one token"),
     ("13.2", "    order = window_order(windows, state[\"seed\"], epoch)",

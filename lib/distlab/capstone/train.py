@@ -51,7 +51,8 @@ from distlab.parallel3d.grid import Grid, check_3d_setup, process_groups
 from distlab.pipeline_parallel import StageModule, even_partition, make_schedule, run_schedule
 from distlab.pipeline_parallel.train import keep_freed_memory
 from distlab.runtime import comm
-from distlab.runtime.rank import device
+from distlab.runtime.progress import progress as progress_bar
+from distlab.runtime.rank import device, native_bf16
 from distlab.runtime.timeline import span
 from distlab.tensor_parallel import TensorParallelGPT, shard_of, vocab_parallel_cross_entropy
 from distlab.tensor_parallel.gpt import is_replicated
@@ -173,17 +174,24 @@ def _tp_weight(name: str, tp: int) -> float:
     return 1.0 / tp if is_replicated(name) else 1.0
 
 
-def _sharded_gradients(optimizer: ShardedOptimizer, names: dict[int, str], tp: int, d: int
+def _shard_weights(optimizer: ShardedOptimizer, names: dict[int, str], tp: int, d: int) -> list[torch.Tensor]:
+    """Per flat buffer, the weight of each element of this rank's ZeRO shard in the squared norm (:func:`_tp_weight`,
+    0 on padding): fixed for the run, so built once rather than every step."""
+    return [flat.layout.shard(flat.layout.flatten([torch.full_like(p, _tp_weight(names[id(p)], tp),
+                                                                   dtype=torch.float64) for p in flat.params],
+                                                  dtype=torch.float64), d)
+            for flat in optimizer.flat_params]
+
+
+def _sharded_gradients(optimizer: ShardedOptimizer, weights: list[torch.Tensor]
                        ) -> list[tuple[torch.Tensor, torch.Tensor]]:
     """ZeRO-1's reduce-scatter, done before the update so the shards can be clipped: this rank's shard of each flat
     buffer's DP-averaged gradient, set as its optimizer parameter's gradient, with the weight of each element."""
     out = []
-    for flat in optimizer.flat_params:
+    for flat, weight in zip(optimizer.flat_params, weights):
         shard = optimizer.gradient_shard(flat)
         flat.optimizer_param().grad = shard
-        weights = flat.layout.flatten([torch.full_like(p, _tp_weight(names[id(p)], tp), dtype=torch.float64)
-                                       for p in flat.params], dtype=torch.float64)
-        out.append((shard, flat.layout.shard(weights, d)))
+        out.append((shard, weight))
     return out
 
 
@@ -207,7 +215,7 @@ def _float8_stage(stage: StageModule) -> list[str]:
 
 def _fp8_ran(stage: nn.Module, dev: torch.device) -> str:
     """``"fp8 (native)"`` when every FP8 matmul ran on FP8 tensor cores, else ``"fp8 (emulated)"``: a CPU has no
-    FP8 units (its ``torch._scaled_mm`` dequantises internally), nor a GPU below compute capability 8.9, and a
+    FP8 units (its ``torch._scaled_mm`` converts to a wider type first), nor a GPU below compute capability 8.9, and a
     layer whose shape cuBLASLt refuses noted that it was emulated (:func:`~distlab.fp8.fp8_matmul`)."""
     emulated = any(m.notes for m in stage.modules() if isinstance(m, Float8Linear))
     native = dev.type == "cuda" and scaled_mm_support(dev).tensorwise and not emulated
@@ -219,7 +227,7 @@ def capstone_worker(ckpt_dir: str, *, attempt: int = 0, fault: Fault | None = No
                     mapping: np.ndarray | None = None, lr: float = 3e-3, warmup: int = 5, save_every: int = 10,
                     async_save: bool = True, zero: int = 1, seed: int = 0,
                     resume: Callable[[str, GridTrainState], int] = resume_from_latest,
-                    on_step: Callable | None = None, precision: str = "fp32") -> dict:
+                    on_step: Callable | None = None, precision: str = "fp32", progress: bool = True) -> dict:
     """Train ``GPT(cfg, seed)`` on a ``dp × pp × tp`` grid for ``steps`` updates over ``train_path``'s tokens,
     resuming with ``resume(ckpt_dir, state)`` and checkpointing every ``save_every`` steps into ``ckpt_dir``.
 
@@ -230,7 +238,9 @@ def capstone_worker(ckpt_dir: str, *, attempt: int = 0, fault: Fault | None = No
     ``rank``, ``coords``, ``start`` (the step it resumed at), per step ``losses`` (the global batch's mean loss,
     on every rank), ``step_times``, ``bytes`` (payload sent along each axis) and ``norms``, the ``state`` of its
     shards, and ``memory``: the bytes of its weights, gradients and optimizer state. ``on_step(step, loss,
-    seconds)`` is called on every rank after every step.
+    seconds)`` is called on every rank after every step. ``progress``: a bar of the steps (rate, ETA) where a person
+    watches — one for the job, drawn by the launcher (:mod:`distlab.runtime.progress`), none under nbval or CI;
+    ``False`` for none (a benchmark's timed runs; :func:`train`, when rank 0 prints a line per step).
 
     ``precision``: ``"fp32"``; ``"bf16"``, the forward and backward under ``torch.autocast`` in bfloat16 (weights,
     gradients, Adam and every reduction stay fp32: gloo has no bf16 reduction for every op, and the stages still
@@ -256,11 +266,11 @@ def capstone_worker(ckpt_dir: str, *, attempt: int = 0, fault: Fault | None = No
     if save_every < 1:
         raise ValueError(f"save_every={save_every} must be at least 1 step")
     dev = device()
-    native_bf16 = dev.type == "cuda" and torch.cuda.is_bf16_supported()
-    if precision == "bf16" and dev.type == "cuda" and not native_bf16:
+    has_bf16 = native_bf16(dev)
+    if precision == "bf16" and dev.type == "cuda" and not has_bf16:
         raise ValueError(f"precision='bf16' on {torch.cuda.get_device_name(dev)}, which has no bf16: use 'auto' "
                          f"(fp32 there) or 'fp32'")
-    precision = ("bf16" if native_bf16 else "fp32") if precision == "auto" else precision
+    precision = ("bf16" if has_bf16 else "fp32") if precision == "auto" else precision
     keep_freed_memory()
     groups = process_groups(grid)
     d, s = groups.coords["dp"], groups.coords["pp"]
@@ -283,10 +293,12 @@ def capstone_worker(ckpt_dir: str, *, attempt: int = 0, fault: Fault | None = No
     def loss_fn(local_logits, targets):
         return vocab_parallel_cross_entropy(local_logits, targets, groups.tp)
 
+    shard_weights = _shard_weights(optimizer, names, tp, d) if zero else None
     out = {"rank": rank, "coords": groups.coords, "start": start, "losses": {}, "step_times": {}, "bytes": {},
            "norms": {}, "precision": precision, "fp8_layers": fp8_layers}
     pending, grad_bytes = None, 0
-    for step in range(start, steps):
+    for step in progress_bar(range(start, steps), initial=start, desc="capstone steps", unit="step",
+                             disable=not progress):
         if fault is not None:
             fault.maybe_kill(rank, step)
         with span(f"step{step}", kind="other"):
@@ -306,7 +318,7 @@ def capstone_worker(ckpt_dir: str, *, attempt: int = 0, fault: Fault | None = No
                     "pp": traffic.total("payload_bytes", ("isend", "send"))}
             before = comm.snapshot()
             if zero:
-                shards = _sharded_gradients(optimizer, names, tp, d)
+                shards = _sharded_gradients(optimizer, shard_weights)
                 norm = clip_global_norm(shards, groups, grid, ("dp", "pp", "tp"))
                 optimizer.optim.step()
                 for flat in optimizer.flat_params:
@@ -434,7 +446,10 @@ def train(train_path: str, ckpt_dir: str = "checkpoints", dp: int = 2, pp: int =
     tokens the shard uses (every rank computes the same mapping from the same file); ``compact=False`` keeps GPT-2's
     vocabulary, padded to 50,304. Every attempt (torchrun's ``TORCHELASTIC_RESTART_COUNT``) resumes from the newest
     committed checkpoint; ``kill_rank``/``kill_step`` SIGKILL that rank at that step of the first attempt.
-    ``log_every=k`` (torchrun's default is 1): rank 0 prints every k-th step (loss, tokens/s, MFU against ``peak``).
+    ``log_every=k`` (torchrun's default is 1): rank 0 prints every k-th step (loss, tokens/s, MFU against ``peak``);
+    ``log_every=0``: no step lines, a progress bar of the steps on rank 0's terminal instead.
+    Each rank returns one short line's worth (torchrun prints every rank's): the attempt, the step it resumed at,
+    how many steps it trained and its last loss — the curve is rank 0's step lines and ``ckpt_dir/metrics.jsonl``.
     """
     stream = np.fromfile(train_path, dtype=np.uint16).astype(np.int64)
     mapping, vocab = compact_vocabulary(stream) if compact else (None, 50304)
@@ -450,9 +465,11 @@ def train(train_path: str, ckpt_dir: str = "checkpoints", dp: int = 2, pp: int =
     out = capstone_worker(ckpt_dir, attempt=attempt, fault=fault, cfg=cfg, dp=int(dp), pp=int(pp), tp=int(tp),
                           m=int(microbatches), batch_size=int(batch_size), steps=int(steps), train_path=train_path,
                           mapping=mapping, lr=float(lr), warmup=int(warmup), save_every=int(save_every),
-                          zero=int(zero), seed=int(seed), on_step=report.step if report else None)
-    result = {"rank": out["rank"], "attempt": attempt, "start": out["start"],
-              "losses": [out["losses"][k] for k in sorted(out["losses"])]}
+                          zero=int(zero), seed=int(seed), on_step=report.step if report else None,
+                          progress=report is None)
+    trained = sorted(out["losses"])
+    result = {"rank": out["rank"], "attempt": attempt, "start": out["start"], "steps": len(trained),
+              "loss": round(out["losses"][trained[-1]], 4) if trained else None}
     if report:
         result["mfu"] = report.finish()["mfu"]
     return result

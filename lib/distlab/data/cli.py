@@ -57,7 +57,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--line-min-docs", type=int, default=3,
                      help="remove a line from every document when it occurs in this many documents")
     run.add_argument("--shard-tokens", type=int, default=DEFAULT_SHARD_TOKENS)
-    run.add_argument("--no-progress", action="store_true", help="no tqdm progress bar")
+    run.add_argument("--no-progress", action="store_true",
+                     help="no progress bars (none are drawn anyway when stderr is not a terminal, or under CI)")
 
     stats = commands.add_parser("stats", help="print the stats of a finished run")
     stats.add_argument("dir")

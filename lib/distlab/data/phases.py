@@ -2,7 +2,8 @@
 
 Phase 1 for one input file (:func:`process_file`, with its ``done.json`` marker that makes a run resumable), the
 configuration it runs with (:class:`PipelineConfig`), the phase-1 results read back (:func:`file_documents`), near
-dedup in crawl order (:func:`near_dedup`) and the form phase 2's outcome is handed over in (:class:`Selection`).
+dedup in crawl order (:func:`near_dedup`), the form phase 2's outcome is handed over in (:class:`Selection`) and the
+progress bars both draw (:func:`files_bar`, :func:`documents_bar`: where a person watches, silent under nbval and CI).
 The pipeline chooses an engine and writes the output; each engine imports this module, and neither imports the
 other, so an engine is added or changed without touching what the other runs.
 """
@@ -31,9 +32,11 @@ from distlab.data.repetition import GOPHER_REPETITION, GopherRepetitionFilter, G
 from distlab.data.shards import DEFAULT_SHARD_TOKENS, atomic_write_json
 from distlab.data.toxicity import DEFAULT_BLOCKLIST, SCORERS, ToxicityFilter, make_scorer
 from distlab.data.toxicity import DEFAULT_THRESHOLD as TOXICITY_THRESHOLD
+from distlab.runtime.progress import progress
 
 __all__ = ["PipelineConfig", "file_key", "input_identity", "process_file", "finished_summary", "Selection",
-           "crawl_order", "near_dedup", "stored_documents", "file_documents"]
+           "crawl_order", "near_dedup", "stored_documents", "stored_count", "file_documents", "files_bar",
+           "documents_bar"]
 
 # Knobs that only phase 2 uses: changing them must not redo phase 1.
 _PHASE_TWO_FIELDS = ("dedup_threshold", "bands", "rows", "line_min_documents", "shard_tokens")
@@ -170,9 +173,11 @@ def crawl_order(docs: Sequence[Document]) -> list[int]:
     return sorted(range(len(docs)), key=lambda i: (not docs[i].date, docs[i].date, i))
 
 
-def near_dedup(docs: Sequence[Document], stage: NearDedup, ledger: Ledger) -> list[Document]:
-    """Run ``stage`` over ``docs`` (in input order) in crawl order; the survivors, back in input order."""
-    survivors = {id(doc) for doc in run_stages((docs[i] for i in crawl_order(docs)), [stage], ledger)}
+def near_dedup(docs: Sequence[Document], stage: NearDedup, ledger: Ledger, shown: bool = False) -> list[Document]:
+    """Run ``stage`` over ``docs`` (in input order) in crawl order; the survivors, back in input order. ``shown``:
+    a bar of the documents compared (the local engine's pass over the corpus; a Ray partition draws none)."""
+    in_crawl_order = documents_bar((docs[i] for i in crawl_order(docs)), "near dedup", shown, total=len(docs))
+    survivors = {id(doc) for doc in run_stages(in_crawl_order, [stage], ledger)}
     return [doc for doc in docs if id(doc) in survivors]
 
 
@@ -182,7 +187,24 @@ def stored_documents(paths: list[Path], work_root: Path) -> Iterator[Document]:
         yield from file_documents(path, work_root)
 
 
+def stored_count(paths: list[Path], work_root: Path) -> int:
+    """How many documents :func:`stored_documents` yields, as the files' done markers recorded them."""
+    return sum(json.loads((work_root / file_key(path) / "done.json").read_text())["kept"] for path in paths)
+
+
 def file_documents(path: Path, work_root: Path) -> Iterator[Document]:
     """The phase-1 survivors of one input file."""
     for row in read_jsonl(work_root / file_key(path) / "kept.jsonl"):
         yield Document(row["id"], row["text"], row["url"], row["date"], row["source"], row["meta"])
+
+
+# ---------------------------------------------------------------- progress, the same in both engines
+
+def files_bar(count: int, shown: bool):
+    """Phase 1's bar: input files done of ``count`` (updated by hand as each file's summary arrives)."""
+    return progress(total=count, desc="phase 1 · input files", unit="file", disable=not shown)
+
+
+def documents_bar(docs: Iterable, what: str, shown: bool, total: int | None = None):
+    """``docs`` counted by a bar of phase 2's pass ``what`` over the corpus (``docs`` None: updated by hand)."""
+    return progress(docs, total=total, desc=f"phase 2 · {what}", unit="doc", disable=not shown)

@@ -37,8 +37,6 @@ from functools import partial
 from pathlib import Path
 from typing import Iterator, Sequence
 
-from tqdm.auto import tqdm
-
 from distlab.data.dedup import NearDedup
 from distlab.data.document import Ledger, StageStats, run_stages
 from distlab.data.line_dedup import LineDedup
@@ -47,16 +45,20 @@ from distlab.data.output import LINEAGE_FILE, REJECTED_FILE, SHARD_DIR, WORK_DIR
 from distlab.data.phases import (
     PipelineConfig,
     Selection,
+    documents_bar,
     file_key,
+    files_bar,
     finished_summary,
     near_dedup,
     process_file,
+    stored_count,
     stored_documents,
 )
 from distlab.data.report import RunReport
 from distlab.data.shards import ShardWriter, encode_documents
 from distlab.data.urls import RecordIdDedup, UrlDedup
 
+TOKENIZE_BATCH = 1024  # documents per tiktoken call: the tokenize bar moves, and tiktoken's threads stay busy
 STAGE_ORDER = ("read", "language", "quality", "repetition", "toxicity", "pii",
                "record_id", "url_dedup", "near_dedup", "line_dedup", "purge", "tokenize")
 
@@ -82,11 +84,14 @@ ENGINES = ("local", "ray")
 
 
 def run_pipeline(inputs, out_dir, config: PipelineConfig | None = None, workers: int = 1,
-                 progress: bool = False, engine: str = "local", address: str | None = None) -> RunReport:
+                 progress: bool = True, engine: str = "local", address: str | None = None) -> RunReport:
     """Run both phases over WET/WARC ``inputs`` into ``out_dir``; returns the checked report.
 
     ``engine="ray"`` runs the same stages as Ray tasks (:mod:`distlab.data.ray_engine`) on the cluster at
-    ``address``, or on a Ray instance it starts on this machine with ``workers`` CPUs; the answer is the same."""
+    ``address``, or on a Ray instance it starts on this machine with ``workers`` CPUs; the answer is the same.
+    ``progress``: bars with rate and ETA where a person watches (:mod:`distlab.runtime.progress`; never under
+    nbval, pytest or CI): the input files of phase 1 and, on the local engine, each pass of phase 2 over the
+    documents; ``False`` draws none (a benchmark that times the run)."""
     config = (config or PipelineConfig()).validate()
     if workers < 1:
         raise ValueError(f"workers must be at least 1, got {workers}")
@@ -101,9 +106,9 @@ def run_pipeline(inputs, out_dir, config: PipelineConfig | None = None, workers:
             if missing.name != "ray":
                 raise
             raise ValueError('--engine ray needs Ray: pip install "distlab[ray]" (or pip install ray)') from None
-        runner = RayEngine(workers, address)
+        runner = RayEngine(workers, address, progress)
     else:
-        runner = LocalEngine(workers)
+        runner = LocalEngine(workers, progress)
     paths = check_inputs(inputs)
     run = RunDirectory(out_dir)
     run.check_writable()
@@ -115,7 +120,8 @@ def run_pipeline(inputs, out_dir, config: PipelineConfig | None = None, workers:
     summaries = {path: finished_summary(path, work_root, config) for path in paths}
     pending = [path for path, summary in summaries.items() if summary is None]
     with runner:
-        for path, summary in zip(pending, runner.phase_one(pending, work_root, config, progress)):
+        # strict: the engine's generator runs to its end (its bar closes there), and must yield one summary per file
+        for path, summary in zip(pending, runner.phase_one(pending, work_root, config), strict=True):
             summaries[path] = summary
         rules = PurgeRules.from_json((run.manifest() or {}).get("purges"))
         selection = runner.phase_two(paths, work_root, config, rules)
@@ -129,10 +135,10 @@ def run_pipeline(inputs, out_dir, config: PipelineConfig | None = None, workers:
 
 
 class LocalEngine:
-    """Phase 1 in a process pool over input files, phase 2 in this process."""
+    """Phase 1 in a process pool over input files, phase 2 in this process; ``progress``: draw their bars."""
 
-    def __init__(self, workers: int = 1) -> None:
-        self.workers = workers
+    def __init__(self, workers: int = 1, progress: bool = True) -> None:
+        self.workers, self.progress = workers, progress
 
     def __enter__(self) -> "LocalEngine":
         return self
@@ -140,38 +146,48 @@ class LocalEngine:
     def __exit__(self, *exc) -> None:
         return None
 
-    def phase_one(self, pending: list[Path], work_root: Path, config: PipelineConfig,
-                  progress: bool) -> Iterator[dict]:
+    def phase_one(self, pending: list[Path], work_root: Path, config: PipelineConfig) -> Iterator[dict]:
         """Summaries of ``pending`` in order; in a process pool when workers > 1."""
         job = partial(process_file, work_root=str(work_root), config=config)
-        bar = tqdm(total=len(pending), desc="input files", unit="file", disable=not progress)
-        if self.workers <= 1 or len(pending) <= 1:
-            for path in pending:
-                yield job(str(path))
-                bar.update()
-        else:
-            context = multiprocessing.get_context("spawn")  # no fork of a threaded parent (notebooks, tiktoken)
-            with context.Pool(min(self.workers, len(pending))) as pool:
-                for summary in pool.imap(job, [str(path) for path in pending]):
+        with files_bar(len(pending), self.progress) as bar:
+            if self.workers <= 1 or len(pending) <= 1:
+                for path in pending:
+                    summary = job(str(path))
                     bar.update()
                     yield summary
-        bar.close()
+            else:
+                context = multiprocessing.get_context("spawn")  # no fork of a threaded parent (notebooks, tiktoken)
+                with context.Pool(min(self.workers, len(pending))) as pool:
+                    for summary in pool.imap(job, [str(path) for path in pending]):
+                        bar.update()
+                        yield summary
 
     def phase_two(self, paths: list[Path], work_root: Path, config: PipelineConfig, rules: PurgeRules) -> Selection:
-        """The corpus-level stages over the stored phase-1 results, all in memory, in input order."""
+        """The corpus-level stages over the stored phase-1 results, all in memory, in input order.
+
+        A bar per pass over the documents: record-id and URL dedup (streamed through one pass), near dedup, the
+        count of line dedup, line dedup with the purge rules, tokenization."""
         ledger = Ledger()
         exact_dedup = [RecordIdDedup(), UrlDedup()]
-        exact = list(run_stages(stored_documents(paths, work_root), exact_dedup, ledger))
+        stored = documents_bar(stored_documents(paths, work_root), "record-id + URL dedup", self.progress,
+                               total=stored_count(paths, work_root))
+        exact = list(run_stages(stored, exact_dedup, ledger))
         near = NearDedup(config.deduper())
-        distinct = near_dedup(exact, near, ledger)
+        distinct = near_dedup(exact, near, ledger, shown=self.progress)
         line_dedup = LineDedup(config.line_min_documents, config.quality.min_words)
         start = time.perf_counter()
-        line_dedup.fit(distinct)
+        line_dedup.fit(documents_bar(distinct, "line dedup: count lines", self.progress))
         line_dedup.stats.seconds += time.perf_counter() - start
         purge_filter = PurgeFilter(rules)
-        kept = list(run_stages(distinct, [line_dedup, purge_filter], ledger))
+        kept = list(run_stages(documents_bar(distinct, "line dedup + purge", self.progress), [line_dedup, purge_filter],
+                               ledger))
         start = time.perf_counter()
-        spans = encode_documents([doc.text for doc in kept])
+        spans = []
+        with documents_bar(None, "tokenize", self.progress, total=len(kept)) as bar:
+            for first in range(0, len(kept), TOKENIZE_BATCH):
+                batch = kept[first:first + TOKENIZE_BATCH]
+                spans += encode_documents([doc.text for doc in batch])
+                bar.update(len(batch))
         return Selection(zip(kept, spans), ledger.rows, ledger.rejected,
                          [stage.stats for stage in [*exact_dedup, near, line_dedup, purge_filter]],
                          time.perf_counter() - start)

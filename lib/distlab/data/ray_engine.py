@@ -38,13 +38,12 @@ from typing import Callable, Iterator
 
 import numpy as np
 import ray
-from tqdm.auto import tqdm
 
 from distlab.data.dedup import NearDedup
 from distlab.data.document import Document, Ledger, Stage, StageStats, run_stages
 from distlab.data.line_dedup import LineDedup, document_frequencies
 from distlab.data.lineage import PurgeFilter, PurgeRules
-from distlab.data.phases import PipelineConfig, Selection, file_documents, near_dedup, process_file
+from distlab.data.phases import PipelineConfig, Selection, file_documents, files_bar, near_dedup, process_file
 from distlab.data.shards import encode_documents
 from distlab.data.urls import RecordIdDedup, UrlDedup, normalize_url
 
@@ -216,10 +215,12 @@ def connect(address: str | None = None, workers: int = 1) -> None:
 
 
 class RayEngine:
-    """Runs both phases on Ray: the cluster at ``address``, one already connected, or a local one it starts."""
+    """Runs both phases on Ray: the cluster at ``address``, one already connected, or a local one it starts.
 
-    def __init__(self, workers: int = 1, address: str | None = None) -> None:
-        self.workers, self.address, self.started = workers, address, False
+    ``progress``: phase 1's bar of input files (phase 2 is shuffles Ray schedules as a whole: no bar of its own)."""
+
+    def __init__(self, workers: int = 1, address: str | None = None, progress: bool = True) -> None:
+        self.workers, self.address, self.progress, self.started = workers, address, progress, False
 
     def __enter__(self) -> "RayEngine":
         if not ray.is_initialized():
@@ -232,28 +233,26 @@ class RayEngine:
         if self.started:
             ray.shutdown()
 
-    def phase_one(self, pending: list[Path], work_root: Path, config: PipelineConfig,
-                  progress: bool) -> Iterator[dict]:
+    def phase_one(self, pending: list[Path], work_root: Path, config: PipelineConfig) -> Iterator[dict]:
         """A task per pending file, as many running as the cluster has CPUs; their summaries in input order.
 
         Submitting only as CPUs free up (not every file at once) is what makes an interrupt stop the run: the
         tasks already running finish their files (a resumed run skips them), and no queued one starts after."""
         config_ref = ray.put(config)
         submitted, running = [], set()
-        bar = tqdm(total=len(pending), desc="input files", unit="file", disable=not progress)
-        for k in range(len(pending)):
-            while True:
-                while len(submitted) < len(pending) and len(running) < self.parts:
-                    submitted.append(process_file_task.remote(str(pending[len(submitted)]), str(work_root),
-                                                              config_ref))
-                    running.add(submitted[-1])
-                if submitted[k] not in running:
-                    break
-                ready, _ = ray.wait(list(running), num_returns=1)
-                running.difference_update(ready)
-            bar.update()
-            yield ray.get(submitted[k])
-        bar.close()
+        with files_bar(len(pending), self.progress) as bar:
+            for k in range(len(pending)):
+                while True:
+                    while len(submitted) < len(pending) and len(running) < self.parts:
+                        submitted.append(process_file_task.remote(str(pending[len(submitted)]), str(work_root),
+                                                                  config_ref))
+                        running.add(submitted[-1])
+                    if submitted[k] not in running:
+                        break
+                    ready, _ = ray.wait(list(running), num_returns=1)
+                    running.difference_update(ready)
+                bar.update()
+                yield ray.get(submitted[k])
 
     def _shuffle(self, route, blocks: list, *args) -> list[list]:
         """Route every block into ``parts`` pieces: piece lists per destination partition."""

@@ -11,8 +11,9 @@
 Two paths with the same interface, chosen automatically and reported:
 
 * ``"torch._scaled_mm"`` — FP8 tensor cores on CUDA compute capability 8.9+ (Ada, Hopper,
-  Blackwell), and a CPU kernel in recent PyTorch (which dequantises internally: a CPU has
-  no FP8 units). Block-wise scales run as one ``_scaled_mm`` per 128-wide slice of K with
+  Blackwell), and a CPU kernel in recent PyTorch (oneDNN's on a CPU with AMX, else one that
+  converts both operands to fp32: ``_scaled_mm_out_cpu`` in aten's ``Blas.cpp``; a CPU has no
+  FP8 units). Block-wise scales run as one ``_scaled_mm`` per 128-wide slice of K with
   the scales applied while the partial sums are accumulated in float32 — DeepSeek-V3's
   promotion scheme.
 * ``"emulated"`` — dequantise to float32 and multiply: same numbers up to accumulation
@@ -80,8 +81,10 @@ def _support(device: str) -> ScaledMMSupport:
                                    f"emulated: {name} (compute capability {major}.{minor}) has no FP8 tensor cores; "
                                    f"they need 8.9+ (Ada, Hopper, Blackwell)")
         where = f"{name} (compute capability {major}.{minor}): FP8 tensor cores"
-    else:
-        where = f"{dev.type.upper()} (torch {version}): a reference kernel that dequantises internally; no FP8 units"
+    else:  # aten's _scaled_mm_out_cpu: oneDNN's kernel on a CPU with AMX, else both operands converted to fp32
+        amx = getattr(torch.cpu, "_is_amx_tile_supported", lambda: False)()
+        kernel = "oneDNN's kernel (this CPU has AMX)" if amx else "a kernel that converts both operands to fp32 first"
+        where = f"{dev.type.upper()} (torch {version}): {kernel}; no FP8 units"
     tensorwise = _probe(dev, rowwise=False)
     if not tensorwise:
         return ScaledMMSupport(device, False, False,

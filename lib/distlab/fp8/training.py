@@ -35,6 +35,7 @@ from distlab.fp8.scaling import quantize, quantize_passes
 from distlab.model import GPT, GPTConfig, synthetic_batch
 from distlab.reference import make_optimizer
 from distlab.runtime.rank import device as rank_device
+from distlab.runtime.rank import native_bf16
 
 __all__ = ["RECIPES", "TrainResult", "train_recipe", "compute_device", "half_precision", "matmul_throughput",
            "quantize_cost", "HBM_BYTES_PER_SECOND", "final_loss", "train"]
@@ -53,7 +54,7 @@ def half_precision(device: torch.device) -> tuple[torch.dtype, str]:
     """The 16-bit dtype to train in on ``device`` and one line saying why."""
     if device.type == "cuda":
         name = torch.cuda.get_device_name(device)
-        if torch.cuda.is_bf16_supported():
+        if native_bf16(device):
             return torch.bfloat16, f"bf16 on {name}: native bf16 tensor cores"
         return torch.float16, f"fp16 + loss scaling on {name}: no bf16 below compute capability 8.0"
     native = torch.ops.mkldnn._is_mkldnn_bf16_supported() if hasattr(torch.ops.mkldnn, "_is_mkldnn_bf16_supported") \

@@ -13,7 +13,9 @@ each stage is held to what makes it that stage, measured on the ranks:
   reduction of bf16 gradients runs in fp32 (read off the bytes the reduce-scatter carried);
 * 4.3 ZeRO-3 — at rest a rank holds only its shards, while computing at most one block
   gathered (plus the root), and every parameter is all-gathered twice per step;
-* 4.4 mixed precision and 4.5 activation checkpointing — single-process, against the library.
+* 4.4 mixed precision and 4.5 activation checkpointing — single-process, against the library;
+* 4.6 FSDP2's per-parameter reduce-scatter — each rank's dim-0 shard of each averaged gradient against the mean
+  computed here, one reduce-scatter in fp32; then training with it inside ``PerParamFSDP`` against one process.
 
 Cases come from the lab's seed (fixed in self-study: reproducible notebook output). An untouched stub's
 ``NotImplementedError`` propagates and is reported as "not attempted".
@@ -31,7 +33,17 @@ import torch.nn as nn
 from distlab.data_parallel import broadcast_parameters
 from distlab.grading import quiz
 from distlab.grading.contract import CheckFailed, first_line
-from distlab.grading.harness import case_gradient_bytes, lab_seed, rank_seed, run_isolated, run_on_ranks
+from distlab.grading.harness import (
+    WEIGHT_ATOL,
+    case_gradient_bytes,
+    is_close,
+    lab_seed,
+    max_difference,
+    raise_if_untouched,
+    rank_seed,
+    run_isolated,
+    run_on_ranks,
+)
 from distlab.grading.registry import Exercise
 from distlab.grading.training_cases import Case as _DDPCase
 from distlab.grading.training_cases import compare_with_reference
@@ -51,6 +63,7 @@ from distlab.zero import (
     mixed_precision_step,
     state_bytes,
 )
+from distlab.zero.per_param import dim0_chunk, train_per_param
 
 
 def _seed() -> int:
@@ -59,7 +72,7 @@ def _seed() -> int:
 
 
 __all__ = ["EXERCISES", "Case", "check_sharded_optimizer", "check_zero2", "check_zero3", "check_mixed_precision",
-           "check_checkpointing"]
+           "check_checkpointing", "ReduceCase", "check_per_param_reduce"]
 
 
 @dataclass
@@ -508,6 +521,197 @@ def check_checkpointing(checkpointed) -> str:
     return "GPT blocks and an MLP stack: same gradients, only module inputs saved, one recompute per module"
 
 
+# ---------------------------------------------------------------- 4.6 FSDP2's design: one reduce-scatter, dim-0 shards
+
+@dataclass
+class ReduceCase:
+    """A group's full gradients on every rank: their shapes, the ranks, the dtype they were computed in."""
+
+    world_size: int
+    shapes: list
+    dtype: torch.dtype
+    seed: int
+
+    def __str__(self) -> str:
+        dtype = str(self.dtype).replace("torch.", "")
+        return f"{self.world_size} ranks, {dtype} gradients of shapes {', '.join(map(str, self.shapes))}"
+
+    def grads(self, rank: int) -> list[torch.Tensor]:
+        """Rank ``rank``'s gradients. In bf16, whole numbers (exact in bf16): +2^k on rank 0, −2^k on rank 1 and small
+        ones elsewhere, so the fp32 sum is exact while a bf16 sum that meets a large value first drops the small
+        ones. In fp32, normal values."""
+        common = torch.Generator().manual_seed(self.seed)
+        own = torch.Generator().manual_seed(self.seed * 1009 + rank + 1)
+        out = []
+        for shape in self.shapes:
+            if self.dtype == torch.float32:
+                out.append(torch.randn(shape, generator=own))
+                continue
+            big = 2.0 ** torch.randint(10, 14, shape, generator=common).float()
+            small = torch.randint(1, 8, shape, generator=own).float()
+            out.append((big if rank == 0 else -big if rank == 1 else small).to(self.dtype))
+        return out
+
+    def mean(self) -> list[torch.Tensor]:
+        ranks = [self.grads(r) for r in range(self.world_size)]
+        return [(sum(g[k].double() for g in ranks) / self.world_size).float() for k in range(len(self.shapes))]
+
+
+def _reduce_case(rng: random.Random, world_size: int, dtype: torch.dtype) -> ReduceCase:
+    """Shapes no correct layout can get by on luck: a matrix whose rows leave a remainder that a balanced split
+    (``tensor_split``) would spread differently, one with fewer rows than ranks (the last ranks hold none), a bias
+    that does not divide; in a random order."""
+    n = world_size
+    remainder = rng.choice([1, 2]) if n == 4 else 1
+    shapes = [(n * rng.randint(2, 5) + remainder, rng.randint(3, 7)), (rng.randint(1, n - 1), rng.randint(2, 5)),
+              (n * rng.randint(1, 4) + remainder,)]
+    if n == 4:
+        shapes.append((n * rng.randint(1, 3) + remainder, 2, rng.randint(2, 3)))
+    rng.shuffle(shapes)
+    return ReduceCase(world_size, shapes, dtype, rng.randrange(10_000))
+
+
+def _reduce_worker(reduce_fn, case: ReduceCase) -> dict:
+    grads = case.grads(dist.get_rank())
+    before = comm_snapshot()
+    out = reduce_fn([g.clone() for g in grads])
+    traffic = comm_per_step(before, comm_snapshot(), 1)
+    if not isinstance(out, (list, tuple)):
+        return {"returned": type(out).__name__, "comm": traffic}
+    return {"returned": [t.detach().cpu().clone() if isinstance(t, torch.Tensor) else type(t).__name__ for t in out],
+            "comm": traffic}
+
+
+def _parameter_major(case: ReduceCase, mean: list[torch.Tensor], rank: int) -> list[torch.Tensor]:
+    """What rank ``rank`` gets when each padded gradient is laid whole after the other (parameter-major): a
+    contiguous N-th of that concatenation, cut into pieces of each shard's size."""
+    n = case.world_size
+    padded = []
+    for m in mean:
+        _, _, chunk = dim0_chunk(m.shape[0], n, rank)
+        p = torch.zeros(n * chunk, *m.shape[1:])
+        p[:m.shape[0]] = m
+        padded.append(p.reshape(-1))
+    flat = torch.cat(padded)
+    mine = flat[rank * flat.numel() // n:(rank + 1) * flat.numel() // n]
+    out, offset = [], 0
+    for m in mean:
+        _, length, chunk = dim0_chunk(m.shape[0], n, rank)
+        size = chunk * m[0].numel()
+        out.append(mine[offset:offset + size].view(chunk, *m.shape[1:])[:length])
+        offset += size
+    return out
+
+
+def _check_shape(case: ReduceCase, rank: int, k: int, got: torch.Tensor) -> None:
+    shape, n = case.shapes[k], case.world_size
+    start, length, chunk = dim0_chunk(shape[0], n, rank)
+    want = (length, *shape[1:])
+    if tuple(got.shape) == want:
+        return
+    where = f"{case}: rank {rank}'s shard of gradient {k} {shape} has shape {tuple(got.shape)}, expected {want}"
+    balanced = len(torch.arange(shape[0]).tensor_split(n)[rank])
+    if len(shape) > 1 and got.dim() == 1:
+        hint = ("you sharded the flattened gradient; FSDP2 keeps whole rows: pad dim 0 to N·c rows (c = ⌈d₀/N⌉) and "
+                "give rank r rows r·c … (r+1)·c")
+    elif tuple(got.shape) == (chunk, *shape[1:]):
+        hint = (f"that is the padded chunk: drop the padding rows, rank {rank} holds only rows {start} … "
+                f"{start + length} of {shape[0]}")
+    elif got.dim() == len(shape) and got.shape[0] == balanced:
+        hint = (f"you split the {shape[0]} rows evenly (tensor_split gives every rank ⌊d₀/N⌋ or ⌈d₀/N⌉); FSDP2 gives "
+                f"every rank c = ⌈d₀/N⌉ = {chunk} rows (torch.chunk's sizes), so the last ranks hold fewer or none")
+    else:
+        hint = f"rank r holds rows r·c … min((r+1)·c, d₀) with c = ⌈d₀/N⌉ = {chunk}"
+    raise CheckFailed(f"{where}: {hint}")
+
+
+def _check_values(case: ReduceCase, rank: int, got: list[torch.Tensor], mean: list[torch.Tensor]) -> None:
+    wrong_layout = _parameter_major(case, mean, rank)
+    for k, (g, m) in enumerate(zip(got, mean)):
+        expected = m[slice(*_rows(m.shape[0], case.world_size, rank))]
+        tol = 1e-6 * max(1.0, m.abs().max().item())
+        if is_close(g, expected, atol=tol):
+            continue
+        if is_close(g, expected * case.world_size, atol=tol * case.world_size):
+            hint = f"it is {case.world_size}× the mean: divide the reduce-scatter's sum by the world size"
+        elif is_close(g, wrong_layout[k], atol=tol):
+            hint = ("you laid the padded gradients one after the other, so rank r received the r-th N-th of that; "
+                    "row r of the send buffer must hold chunk r of every gradient (torch.cat of the [N, c·rest] "
+                    "views along dim 1)")
+        else:
+            hint = "rank r must receive rows r·c … of the mean over the ranks"
+        diff, index = max_difference(g, expected)
+        raise CheckFailed(f"{case}: rank {rank}'s shard of gradient {k} {case.shapes[k]} differs from the mean over "
+                          f"ranks by up to {diff:.3g} (at {list(index)}: {g[index].item():.6g}, expected "
+                          f"{expected[index].item():.6g}): {hint}")
+
+
+def _rows(rows: int, world_size: int, rank: int) -> tuple[int, int]:
+    start, length, _ = dim0_chunk(rows, world_size, rank)
+    return start, start + length
+
+
+def _check_reduce(run, case: ReduceCase) -> None:
+    mean = case.mean()
+    for rank, out in enumerate(run):
+        got = out["returned"]
+        if not isinstance(got, list) or len(got) != len(case.shapes):
+            raise CheckFailed(f"{case}: rank {rank} returned {got if isinstance(got, str) else f'{len(got)} items'}; "
+                              f"return a list with one tensor per gradient, in the order given")
+        for k, g in enumerate(got):
+            if not isinstance(g, torch.Tensor):
+                raise CheckFailed(f"{case}: rank {rank}'s item {k} is a {g}, not a tensor")
+            if g.dtype != torch.float32:
+                raise CheckFailed(f"{case}: rank {rank}'s shard of gradient {k} is {str(g.dtype).replace('torch.', '')}"
+                                  f": reduce and return fp32 (the masters' dtype) — cast the compute-dtype gradients "
+                                  f"to fp32 before the reduce-scatter")
+            _check_shape(case, rank, k, g)
+    comm = run[0]["comm"]
+    if set(comm) - {"reduce_scatter"}:
+        raise CheckFailed(f"{case}: you used {', '.join(sorted(set(comm) - {'reduce_scatter'}))}: every rank received "
+                          f"what it then throws away; one reduce-scatter gives each rank only its shard")
+    scattered = comm.get("reduce_scatter", {"calls": 0, "payload": 0})
+    elements = sum(case.world_size * dim0_chunk(s[0], case.world_size, 0)[2] * torch.Size(s[1:]).numel()
+                   for s in case.shapes)
+    if scattered["calls"] and scattered["payload"] / elements < 4:
+        raise CheckFailed(f"{case}: your reduce-scatter carried {scattered['payload'] / elements:g} bytes per element: "
+                          f"the gradients were reduced in the compute dtype, whose 8-bit mantissa drops small "
+                          f"gradients next to large ones of the other sign; cast them to fp32 first")
+    for rank, out in enumerate(run):
+        _check_values(case, rank, out["returned"], mean)
+    if scattered["calls"] != 1:
+        raise CheckFailed(f"{case}: {scattered['calls']:g} reduce-scatters for {len(case.shapes)} gradients; FSDP2 "
+                          f"makes one per group: put chunk r of every gradient in row r of one [N, Σ c·rest] buffer")
+
+
+def check_per_param_reduce(reduce_fn) -> str:
+    """4.6: ``reduce_scatter_dim0(grads)``: this rank's fp32 dim-0 shard of each averaged gradient, one collective."""
+    raise_if_untouched(reduce_fn)
+    rng = random.Random(lab_seed(4) + 6)
+    cases = [_reduce_case(rng, 4, torch.bfloat16), _reduce_case(rng, 2, torch.float32),
+             _reduce_case(rng, 4, torch.float32)]
+    for case in cases:
+        run = run_on_ranks(_reduce_worker, case.world_size, reduce_fn, case, what=f"your reduce_scatter_dim0 ({case})",
+                           advice="Every rank must call the same collectives with tensors of the same size: pad "
+                                  "every gradient to N·c rows on every rank, even where this rank's shard is empty.")
+        _check_reduce(run, case)
+    n_head = rng.choice([2, 3])
+    cfg = GPTConfig(vocab_size=rng.choice([53, 61, 67]), seq_len=8, n_layer=1, n_head=n_head,
+                    d_model=n_head * rng.choice([5, 7]), tied_embeddings=True)
+    trained = run_on_ranks(train_per_param, 4, what="PerParamFSDP with your reduce_scatter_dim0",
+                           kwargs=dict(cfg=cfg, steps=2, batch_size=8, data_seed=rng.randrange(1000),
+                                       reduce_fn=reduce_fn, reference=dict(world_size=1)))
+    for step, (got, want) in enumerate(zip(trained[0]["states"], trained[0]["reference"])):
+        for name in want:
+            diff, index = max_difference(got[name], want[name])
+            if diff > WEIGHT_ATOL:
+                raise CheckFailed(f"PerParamFSDP with your reduce_scatter_dim0, a tied GPT (vocabulary "
+                                  f"{cfg.vocab_size}, width {cfg.d_model}) on 4 ranks: after step {step + 1} {name} "
+                                  f"differs from one process trained on the whole batch by {diff:.3g} at {list(index)}")
+    return (f"{len(cases)} groups on 2/4 ranks (rows that leave a remainder, fewer rows than ranks, bf16 gradients "
+            f"that cancel): fp32 dim-0 shards of the mean in one reduce-scatter; trained inside PerParamFSDP equal to "
+            f"one process")
+
 # ---------------------------------------------------------------- the quiz
 
 # A step's FLOPs with every block of the notebook's checkpointing GPT (GPTConfig(vocab_size=128, seq_len=256,
@@ -560,5 +764,7 @@ EXERCISES = [
              references=("distlab.zero.optim.mixed_precision_step",)),
     Exercise("4.5", "activation checkpointing of any module", 2, check_checkpointing,
              references=("distlab.zero.fsdp.checkpoint_module",)),
+    Exercise("4.6", "FSDP2's design: reduce-scatter a group's gradients into fp32 dim-0 shards", 3,
+             check_per_param_reduce, references=("distlab.zero.per_param.reduce_scatter_dim0",)),
     *QUESTIONS,
 ]

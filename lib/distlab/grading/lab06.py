@@ -14,6 +14,9 @@
   single-process run on the whole batch (1e-6); checks the timeline (one span per
   compute, in the schedule's order) and the traffic (``isend``/``irecv`` only, one
   activation or gradient per message).
+* 6.6 a V schedule of one's own (ZB-V): hidden ``(p, m)``, fewer micro-batches than the V needs
+  included; the schedule must place its stages in a V, split every backward, validate, hold no
+  more than 1F1B's ``p`` micro-batches and idle no more than the library's ZB-V in unit time.
 """
 
 from __future__ import annotations
@@ -36,10 +39,13 @@ from distlab.pipeline_parallel import (
     interleaved_warmup,
     make_schedule,
     pipeline_worker,
+    placement_of,
     reference_states,
     simulate,
     stage_costs,
+    stage_placement,
     validate,
+    zero_bubble_v,
 )
 from distlab.tensor_parallel.theory import activation_message_bytes
 
@@ -55,7 +61,7 @@ def _seed() -> int:
 COLLECTIVE_TIMEOUT = 6.0
 
 __all__ = ["EXERCISES", "check_partitions", "check_schedules", "check_interleaved", "check_executor",
-           "check_zero_bubble"]
+           "check_zero_bubble", "check_v_schedule"]
 
 
 # ---------------------------------------------------------------- 6.1 partitions
@@ -276,6 +282,59 @@ def _sim_bubble(where: str, schedule, m: int) -> float:
         raise CheckFailed(f"{where}: {error}") from None
 
 
+# ---------------------------------------------------------------- 6.6 a V schedule
+
+def _describe_placement(placement: tuple[int, ...], p: int) -> str:
+    return ", ".join(f"rank {r}: stages {[s for s, q in enumerate(placement) if q == r]}" for r in range(p))
+
+
+def check_v_schedule(zero_bubble_v_fn) -> str:
+    """6.6: ``zero_bubble_v(p, m)``, a ZB-V: two stages per rank in a V, every backward split into I and W."""
+    rng = random.Random(_seed() + 6)
+    cases = [(2, 4), (3, 2), (4, 8), (2, 1)]  # the V's own count, fewer micro-batches than 2p - 1, m = 1
+    cases += [(p, rng.randint(1, 3 * p)) for p in (rng.randint(2, 5) for _ in range(4))]
+    for p, m in cases:
+        where, schedule = _run_schedule_fn(zero_bubble_v_fn, (p, m), "zero_bubble_v")
+        if any(getattr(a, "kind", None) == "B" for ops in schedule for a in ops):
+            raise CheckFailed(f"{where}: uses full backwards (B); split each into I (input gradient, sent back at "
+                              f"once) and W (weight gradient, deferred into the gaps)")
+        v_shape = stage_placement(p, 2, "v")
+        try:
+            placed = placement_of(schedule)
+        except ScheduleError as error:
+            raise CheckFailed(f"{where}: {error}") from None
+        if placed != v_shape:
+            looped = placed == stage_placement(p, 2, "looped") if len(placed) == 2 * p else False
+            hint = (": rank r's second stage is p + r there (looped, as interleaved 1F1B); a V brings the "
+                    "micro-batch back down the ranks, so rank r's second stage is 2p - 1 - r" if looped else
+                    ": a V runs stages 0 … p-1 down the ranks and p … 2p-1 back up, so rank r holds r and 2p - 1 - r")
+            raise CheckFailed(f"{where}: your stages are placed {_describe_placement(placed, p)}{hint}")
+        for r, ops in enumerate(schedule):
+            first = next((a for a in ops if getattr(a, "kind", None) == "F"), None)
+            if first is not None and first.stage != r:
+                raise CheckFailed(f"{where}: rank {r} starts with stage {first.stage}, its stage on the way back up; "
+                                  f"a micro-batch enters the V at stage 0 and goes down first, so every rank starts "
+                                  f"with its first stage, r")
+        try:
+            validate(schedule, m, 2, placement="v")
+        except ScheduleError as error:
+            raise CheckFailed(f"{where}: {error}") from None
+        sim = simulate(schedule, m, 2)
+        best = simulate(zero_bubble_v(p, m), m, 2).bubble
+        if sim.bubble > best + 1e-9:
+            raise CheckFailed(f"{where}: in unit time (forward = input gradient = weight gradient) the ranks idle "
+                              f"{sim.bubble:.4f} of the step, ZB-V idles {best:.4f}: a rank waits where a deferred W "
+                              f"could fill the gap — send each I's gradient back first and keep W for later; compare "
+                              f"simulate's Gantt chart with ZB-V's phases")
+        worst = max(range(p), key=sim.peak_in_flight.__getitem__)
+        if sim.peak_in_flight[worst] > p + 1e-9:
+            raise CheckFailed(f"{where}: rank {worst} holds {sim.peak_in_flight[worst]:g} micro-batches' activations "
+                              f"(a stage counts 1/2); ZB-V keeps 1F1B's p = {p}: its first phase runs 2(p - r) - 1 "
+                              f"forwards, no more")
+    return (f"{len(cases)} (p, m) cases, m < 2p - 1 included: V placement, I/W split, valid, idles no more than ZB-V, "
+            f"at most p in flight")
+
+
 # ---------------------------------------------------------------- 6.4 the executor
 
 def _executor_cases(rng: random.Random) -> list[dict]:
@@ -408,6 +467,8 @@ EXERCISES = [
              references=("distlab.pipeline_parallel.executor.run_schedule",)),
     Exercise("6.5", "bonus: zero-bubble ZB-H1 schedule", 1, check_zero_bubble,
              references=("distlab.pipeline_parallel.schedules.zero_bubble_h1",)),
+    Exercise("6.6", "bonus: a V schedule of your own, ZB-V", 2, check_v_schedule,
+             references=("distlab.pipeline_parallel.schedules.zero_bubble_v",)),
     quiz.number("Q6.1", "bubble fraction for p = {p} stages and m = {m} micro-batches", abs_tol=0.002,
                 given=dict(p=8, m=24), vary=dict(p=(4, 6, 16), m=(8, 16, 32, 64)), solve=bubble_fraction,
                 hint="see 'The bubble, in theory' (the step is fill + steady state + drain)"),
@@ -433,4 +494,6 @@ EXERCISES = [
                 hint="see 'Bytes between stages'"),
     quiz.choice("Q6.7", "a guide says 'bubble = (p-1)/m'; what does that number measure", "c", "abcd",
                 hint="see 'The bubble, in theory', the interview question worked out"),
+    quiz.choice("Q6.8", "what ZB-V pays, against 1F1B at the same p and m, for its near-zero bubble", "b", "abcd",
+                hint="see 'V-shaped schedules: ZB-V and DualPipeV' and its comparison table"),
 ]

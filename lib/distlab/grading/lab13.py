@@ -3,7 +3,7 @@
 * 13.1 ``choose_layout(result)``: on hidden models, machines and batches, the planner's fastest *feasible* layout
   the capstone's worker runs (:func:`distlab.capstone.runnable_best`). A layout the planner rejects fails with the
   planner's own reasons; one it cannot run (ZeRO-2/3, interleaving, recomputation, CP) or a slower one is named;
-  when nothing fits, ``ValueError`` is expected.
+  when nothing fits (one machine of every draw), a ``ValueError`` carrying the planner's reasons is expected.
 * 13.2 ``next_batch(tokens, seq_len, batch_size, dp_rank, dp_size, state)``: every DP rank of hidden streams for
   steps that cross an epoch, against :class:`distlab.data.loader.ResumableTokenLoader`; then a "restart" from a
   copy of the state it returned mid-run must continue with the same windows — none repeated, none skipped.
@@ -30,7 +30,7 @@ import torch
 
 from distlab.capstone.report import derive_report, runnable, runnable_best
 from distlab.capstone.train import GridTrainState
-from distlab.collectives import ring_all_reduce_bytes
+from distlab.collectives import ring_all_gather_bytes
 from distlab.data.loader import ResumableTokenLoader, window_order
 from distlab.data.shards import SHARD_DTYPE
 from distlab.fault_tolerance.checkpoint import CheckpointError, checkpoint_path, save_checkpoint
@@ -73,13 +73,21 @@ def _layout_cases(rng: random.Random):
 
 def _plans(rng: random.Random) -> list:
     """The cases' plans, drawn until one of them ranks first a layout the worker cannot run (ZeRO-2/3,
-    interleaving, recomputation), so picking the planner's overall best never passes by chance."""
+    interleaving, recomputation), so picking the planner's overall best never passes by chance, and one has nothing
+    the worker runs that fits, so the ``ValueError`` branch is always checked."""
     for _ in range(20):
         plans = [(model, cluster, batch, plan(model, cluster, batch, precision="fp32", cp=(1,)))
                  for model, cluster, batch in _layout_cases(rng)]
-        if any(p.feasible and not runnable(p.feasible[0].layout) for *_, p in plans):
+        if (any(p.feasible and not runnable(p.feasible[0].layout) for *_, p in plans)
+                and any(not any(runnable(e.layout) for e in p.feasible) for *_, p in plans)):
             return plans
-    raise RuntimeError("no drawn machine ranks an unrunnable layout first: widen _layout_cases")
+    raise RuntimeError("no draw ranks an unrunnable layout first and leaves one machine with nothing that fits: "
+                       "widen _layout_cases")
+
+
+def _reasons_of(result) -> list[str]:
+    """The reasons the planner gives for the nearest layouts the worker runs: what a ValueError should carry."""
+    return [reason for e in result.near_misses if runnable(e.layout) for reason in e.reasons]
 
 
 def check_choose_layout(choose_layout) -> str:
@@ -95,8 +103,14 @@ def check_choose_layout(choose_layout) -> str:
             want = None
         try:
             got = choose_layout(result)
-        except ValueError:
+        except ValueError as error:
             if want is None:
+                reasons = _reasons_of(result)
+                if reasons and not any(reason in str(error) for reason in reasons):
+                    raise CheckFailed(f"{where}: nothing the worker runs fits, and your ValueError says "
+                                      f"{str(error)[:120]!r} without the planner's reasons: put the nearest runnable "
+                                      f"misses' reasons (result.near_misses[i].reasons, e.g. {reasons[0]!r}) in the "
+                                      f"message, so whoever reads it knows what to change") from None
                 checked += 1
                 continue
             raise CheckFailed(f"{where}: raised ValueError, but {want.layout} fits and the worker runs it") from None
@@ -117,7 +131,8 @@ def check_choose_layout(choose_layout) -> str:
                               f"{want.layout} is the fastest the worker runs ({want.step_time * 1e3:.1f} ms): "
                               f"pick by step time, not memory or degree")
         checked += 1
-    return f"{checked} machines: the fastest feasible layout the worker runs, or ValueError when none fits"
+    return (f"{checked} machines: the fastest feasible layout the worker runs, or a ValueError with the planner's "
+            f"reasons when none fits")
 
 
 # ---------------------------------------------------------------- 13.2
@@ -143,9 +158,24 @@ def _batch_mistake(got_x: torch.Tensor, loaders: list, dp_rank: int, seq_len: in
     if own.previous is not None and torch.equal(got_x, own.previous):
         return "the same rows as the step before: the state's position must move on by the global batch"
     loader = own.loader
-    first = loader.position - loader.batch_size + dp_rank * loader.rows
-    ids = [int(k) for k in loader.order[first:first + loader.rows]]
     tokens = loader.tokens
+    start = loader.position - loader.batch_size  # the step's first window, over the global batch
+    strided = [int(k) for k in loader.order[start + dp_rank:start + loader.batch_size:loader.dp_size]]
+    if len(strided) == len(got_x) and torch.equal(got_x, _windows(tokens, strided, seq_len)):
+        return (f"it holds every {loader.dp_size}th window of the step from window {dp_rank} on (a "
+                f"DistributedSampler's habit): here DP rank d takes its own block of the global batch, rows "
+                f"d·B/dp … (d+1)·B/dp, so the position names the same windows whatever the DP size")
+    if start == 0 and loader.epoch > 0:
+        dropped = window_order(loader.windows, loader.seed, loader.epoch - 1)[loader.steps_per_epoch
+                                                                              * loader.batch_size:]
+        tail = {tuple(row.tolist()) for row in _windows(tokens, [int(k) for k in dropped], seq_len)} if len(
+            dropped) else set()
+        if any(tuple(row.tolist()) in tail for row in got_x):
+            return (f"it reads the last {len(dropped)} window(s) of epoch {loader.epoch - 1}, which make an "
+                    f"incomplete batch and are dropped (drop_last): an epoch has windows // batch_size steps, then "
+                    f"epoch {loader.epoch} starts at position 0 in its own order")
+    first = start + dp_rank * loader.rows
+    ids = [int(k) for k in loader.order[first:first + loader.rows]]
     if all((k + 1) * (seq_len + 1) <= len(tokens) for k in ids):
         strided = torch.stack([tokens[k * (seq_len + 1):k * (seq_len + 1) + seq_len] for k in ids])
         if torch.equal(got_x, strided):
@@ -157,6 +187,11 @@ def _batch_mistake(got_x: torch.Tensor, loaders: list, dp_rank: int, seq_len: in
             return ("epoch 0's order in a later epoch: each epoch visits the windows in "
                     "window_order(windows, seed, epoch)")
     return "compare with window k = tokens[k·seq_len : k·seq_len + seq_len + 1], k from window_order"
+
+
+def _windows(tokens: torch.Tensor, ids, seq_len: int) -> torch.Tensor:
+    """Inputs of windows ``ids``: window k starts at k·seq_len."""
+    return torch.stack([tokens[k * seq_len:k * seq_len + seq_len] for k in ids])
 
 
 class _Tracked:
@@ -207,8 +242,12 @@ def check_next_batch(next_batch) -> str:
                     x, y, states[d] = got
                     here = f"{where}: DP rank {d}, step {step} (epoch {loaders[d].loader.epoch})"
                     if tuple(x.shape) != tuple(want_x.shape):
+                        reference = loaders[d].loader
+                        drop = (f": the epoch's last batch is incomplete and is dropped (drop_last) — at this step "
+                                f"epoch {reference.epoch} begins at position 0" if reference.epoch > 0
+                                and reference.position == reference.batch_size and len(x) < len(want_x) else "")
                         raise CheckFailed(f"{here}: x has shape {tuple(x.shape)}, expected {tuple(want_x.shape)} "
-                                          f"(batch / dp rows of seq_len tokens)")
+                                          f"(batch / dp rows of seq_len tokens){drop}")
                     if not torch.equal(x.long(), want_x):
                         raise CheckFailed(f"{here}: other tokens than expected: "
                                           f"{_batch_mistake(x.long(), loaders, d, seq_len)}")
@@ -392,6 +431,18 @@ def _report_mistake(key: str, got: dict, want: dict, records, trace) -> str:
             "over ranks or rank 0's")
 
 
+_UNITS = {"step_time": (1e3, "ms", ".2f"), "tokens_per_second": (1, "tokens/s", ",.0f"), "mfu": (100, "%", ".3f"),
+          "bubble": (1, "", ".4f"), "bytes": (1, "B", ",.0f")}
+
+
+def _figure(key: str, value) -> str:
+    """A figure as the run card prints it (``49.17 ms``, not ``0.04917471303160409``); anything else as it is."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return repr(value)
+    scale, unit, form = _UNITS[key]
+    return f"{value * scale:{form}}{' ' + unit if unit and unit != '%' else unit}"
+
+
 def check_report_numbers(report_numbers) -> str:
     """13.4: ``report_numbers(records, trace, flops_per_token, tokens_per_step, peak_flops)`` → the run card's
     measured figures."""
@@ -400,7 +451,8 @@ def check_report_numbers(report_numbers) -> str:
     for _ in range(3):
         pp, dp = rng.choice([2, 4]), 2
         records, trace = _synthetic_run(rng, pp, dp, rng.choice([6, 7, 8]))
-        args = (rng.randrange(1, 50) * 1e6, rng.choice([256, 512, 1024]), rng.choice([5e9, 2e10, 8e10]))
+        # a small GPT's FLOPs per token against CPU-sized peaks: the MFU is a fraction, as a run's is
+        args = (rng.randrange(1, 50) * 1e4, rng.choice([256, 512, 1024]), rng.choice([2e10, 8e10]))
         want = derive_report(records, trace, *args)
         got = report_numbers(records, trace, *args)
         if not isinstance(got, dict) or not set(want) <= set(got):
@@ -408,12 +460,13 @@ def check_report_numbers(report_numbers) -> str:
         where = f"PP {pp} × DP {dp}, {len(records[0]['step_times'])} steps"
         for key in ("step_time", "tokens_per_second", "mfu", "bubble"):
             if not isinstance(got[key], (int, float)) or not math.isclose(got[key], want[key], rel_tol=1e-6):
-                raise CheckFailed(f"{where}: {key} {got[key]!r}, expected {want[key]:.6g}: "
+                raise CheckFailed(f"{where}: {key} {_figure(key, got[key])}, expected {_figure(key, want[key])}: "
                                   f"{_report_mistake(key, got, want, records, trace)}")
         for axis in ("dp", "pp", "tp"):
             mine = got["bytes"].get(axis) if isinstance(got["bytes"], dict) else None
             if mine is None or not math.isclose(mine, want["bytes"][axis], rel_tol=1e-9, abs_tol=0.5):
-                raise CheckFailed(f"{where}: {axis.upper()} bytes {mine!r}, expected {want['bytes'][axis]:,.0f}: "
+                raise CheckFailed(f"{where}: {axis.upper()} bytes {_figure('bytes', mine)}, expected "
+                                  f"{_figure('bytes', want['bytes'][axis])}: "
                                   f"{_report_mistake('bytes', got, want, records, trace)}")
     return "3 runs' records and traces: step time, tokens/s, MFU, bubble and bytes per axis as derive_report reads them"
 
@@ -426,28 +479,30 @@ QUIZ = [
                 vary=dict(steps=(20, 60, 100), batch=(4, 16, 32), seq_len=(32, 128)),
                 solve=lambda steps, batch, seq_len: steps * batch * seq_len,
                 hint="'4. Train: the run' — what one step of the global batch reads"),
-    quiz.number("Q13.2", "pipeline bubble fraction of this run's schedule: PP {pp}, m = {m} micro-batches (1F1B)",
-                rel_tol=0.01, given=dict(pp=2, m=4), vary=dict(pp=(4, 8), m=(2, 8, 16)),
+    quiz.number("Q13.2", "pipeline bubble fraction of this run's schedule, were its stages equal: PP {pp}, m = {m} "
+                "micro-batches (1F1B)", rel_tol=0.01, given=dict(pp=2, m=4), vary=dict(pp=(4, 8), m=(2, 8, 16)),
                 solve=lambda pp, m: bubble_fraction(pp, m),
-                hint="'6. The run card' — the planner's bubble line, and lab 06's bubble section"),
+                hint="lab 06's bubble section, and '6. The run card' — the bubble line beside the replayed one"),
     quiz.number("Q13.3", "a rank dies at step {step} of a job that checkpoints every {every} steps: how many steps "
                 "are trained again after the restart?", rel_tol=0, given=dict(step=27, every=10),
                 vary=dict(step=(13, 38, 45), every=(4, 6, 8)), solve=lambda step, every: step % every,
                 hint="'5. Break it: kill a rank mid-run' — which checkpoint the relaunch loads"),
     quiz.number("Q13.4", "bytes of fp32 Adam state (two moments) per rank for a stage of {params:,} parameters under "
-                "ZeRO-1 over DP {dp}", rel_tol=0.01, given=dict(params=435_840, dp=2),
+                "ZeRO-1 over DP {dp}", rel_tol=0.01, given=dict(params=220_352, dp=2),
                 vary=dict(params=(100_000, 1_000_000), dp=(4, 8)),
                 solve=lambda params, dp: params * bytes_per_param(1, dp, "fp32").optimizer,
                 hint="'6. The run card' — memory per rank, and lab 04's bytes per parameter"),
-    quiz.number("Q13.5", "bytes each rank sends in a ring all-reduce of {mb} MB over {ranks} ranks",
-                rel_tol=0.01, given=dict(mb=3.4, ranks=2), vary=dict(mb=(1.0, 10.0), ranks=(4, 8)),
-                solve=lambda mb, ranks: ring_all_reduce_bytes(mb * 1e6, ranks),
-                hint="'6. The run card' — the DP bytes line, and lab 02's ring"),
+    quiz.number("Q13.5", "bytes each rank sends in one step when ZeRO-1 reduce-scatters a {mb} MB fp32 gradient and "
+                "all-gathers {mb} MB of fp32 weights over DP {ranks}", rel_tol=0.01, given=dict(mb=0.88, ranks=2),
+                vary=dict(mb=(1.0, 10.0), ranks=(4, 8)),
+                solve=lambda mb, ranks: 2 * ring_all_gather_bytes(mb * 1e6, ranks),
+                hint="'6. The run card' — the DP payload line counts both messages whole; lab 02's ring says what "
+                     "a rank sends of each"),
     quiz.choice("Q13.6", "the validation loss ends below the unigram baseline: what does that show", answer="c",
                 options="abcd", hint="'Validation against the unigram baseline'"),
-    quiz.choice("Q13.7", "the measured step time is far above the planner's, and the compute term differs most: "
-                "what is the first thing to change", answer="a", options="abcd",
-                hint="'6. The run card': the term responsible, and lab 11's 'MFU at 18%' suspects"),
+    quiz.choice("Q13.7", "a run's MFU is far below the peak, and the card's forward-and-backward term is most of the "
+                "step: what is the first thing to change", answer="a", options="abcd",
+                hint="'6. The run card': the terms of the step, and lab 11's 'MFU at 18%' suspects"),
 ]
 
 EXERCISES = [

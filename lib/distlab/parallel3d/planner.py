@@ -15,11 +15,20 @@ Nothing here is a new formula. Each number comes from the module that teaches it
   bubble from :func:`distlab.pipeline_parallel.bubble_fraction` / ``interleaved_bubble_fraction``,
   and MFU from :func:`distlab.flops.mfu`.
 
-The time model is deliberately simple — compute at a fixed fraction of peak, TP/CP/PP traffic
-on the critical path, a DP reduction made once per step hidden behind the last micro-batch's backward,
-per-micro-batch reduce-scatters behind every backward, per-micro-batch gathers behind all the compute —
-so every term can be read and argued with. It ranks layouts; it does not promise a step time to the
-millisecond.
+The time model for a published cluster is deliberately simple — compute at a fixed fraction of peak
+(``matmul_efficiency``, an assumption no measurement here can check), TP/CP/PP traffic on the critical path, a DP
+reduction made once per step hidden behind the last micro-batch's backward, per-micro-batch reduce-scatters behind
+every backward, per-micro-batch gathers behind all the compute — so every term can be read and argued with. It ranks
+layouts; it does not promise a step time to the millisecond.
+
+On the machine it runs on, the planner can do better: given a :class:`~distlab.parallel3d.calibration.Calibration`
+(``calibration=``, measured by :func:`~distlab.parallel3d.calibration.calibrate`), it prices a layout as distlab's
+grid worker runs it (fp32, TP without sequence parallelism, DP after the schedule) from measured costs: each stage's
+forward and backward per micro-batch from the calibrated block, output layer and embeddings at the layout's own
+shapes, with its TP all-reduces on the calibrated links; the schedule replayed with those unequal stage times
+(:func:`~distlab.pipeline_parallel.simulate`), the ranks sharing the machine's cores by how busy the schedule keeps
+each of them; the messages between stages on the fill and drain; then the DP collectives, the clipping's
+all-reduces and the optimizer, none hidden (:func:`calibrated_times`).
 
 ZeRO-2/3 compose with a pipeline (Llama 3 405B ran FSDP over PP 16; torchtitan composes FSDP2 with PP).
 What the ``m`` micro-batches of a step cost depends on two choices, and the planner prices both ways
@@ -42,8 +51,16 @@ from distlab.context_parallel.cost import ring_bytes
 from distlab.flops import PEAK_FLOPS, hfu, mfu, tokens_per_second
 from distlab.memory import PRESETS, Preset, activation_bytes_per_layer, bytes_per_param
 from distlab.model import GPTConfig, count_params, training_flops_per_token
+from distlab.parallel3d.calibration import Calibration
 from distlab.parallel3d.grid import Grid
-from distlab.pipeline_parallel import bubble_fraction, interleaved_bubble_fraction, peak_in_flight
+from distlab.pipeline_parallel import (
+    bubble_fraction,
+    even_partition,
+    interleaved_bubble_fraction,
+    make_schedule,
+    peak_in_flight,
+    simulate,
+)
 from distlab.tensor_parallel import (
     LINKS,
     activation_bytes_per_layer_tp,
@@ -52,8 +69,9 @@ from distlab.tensor_parallel import (
     collectives_per_step,
 )
 
-__all__ = ["ModelShape", "Cluster", "Layout", "Estimate", "Plan", "h100_cluster", "estimate", "enumerate_layouts",
-           "plan", "bytes_per_axis", "dp_messages", "run_cost", "gradient_all_reduce_seconds", "plot_plan"]
+__all__ = ["ModelShape", "Cluster", "Layout", "Estimate", "Plan", "h100_cluster", "calibrated_cluster", "estimate",
+           "calibrated_times", "prediction_lines", "enumerate_layouts", "plan", "bytes_per_axis", "dp_messages",
+           "run_cost", "gradient_all_reduce_seconds", "plot_plan"]
 
 GB = 1e9
 OVERLAP_COST = 0.2  # share of overlapped DP traffic that still costs time: NCCL's kernels share the SMs (assumed)
@@ -123,6 +141,18 @@ def h100_cluster(gpus: int) -> Cluster:
                    inter_node_bandwidth=LINKS["InfiniBand NDR (400 Gb/s)"])
 
 
+def calibrated_cluster(calibration: Calibration, memory_per_rank: float, name: str | None = None) -> Cluster:
+    """The calibrated machine as a :class:`Cluster`: one node of ``world_size`` devices with ``memory_per_rank``
+    bytes each, its peak the square-matmul rate each rank measured while all multiplied (MFU's denominator), its
+    links the world's measured all-reduce. Pass it with ``calibration=`` to :func:`plan` or :func:`estimate`."""
+    n = calibration.world_size
+    world = calibration.link("all_reduce", n) if n > 1 else None
+    bandwidth, latency = (world.beta, world.alpha) if world else (math.inf, 0.0)
+    return Cluster(name or f"this machine ({n} ranks, calibrated)", n, gpus_per_node=n, hbm_bytes=memory_per_rank,
+                   intra_node_bandwidth=bandwidth, inter_node_bandwidth=bandwidth, peak_flops=calibration.peak_flops,
+                   intra_node_latency=latency, inter_node_latency=latency)
+
+
 @dataclass(frozen=True)
 class Layout:
     """One way to run: the degrees, the ZeRO stage, micro-batching and recomputation.
@@ -186,7 +216,9 @@ class Estimate:
     """What one layout costs: per-GPU memory (bytes), time per step (s), MFU, and why it cannot run.
 
     ``hfu`` counts the recomputed forward too (:func:`distlab.flops.hfu`): with checkpointing the hardware
-    is busier than the model's progress shows, so HFU is above MFU by the recomputed third."""
+    is busier than the model's progress shows, so HFU is above MFU by the recomputed third. ``calibrated``: the
+    times come from a :class:`~distlab.parallel3d.calibration.Calibration` (:func:`calibrated_times`), and
+    ``seconds`` then also holds ``"step overhead"`` (the optimizer, the clipping's and the loss's all-reduces)."""
 
     layout: Layout
     reasons: list[str] = field(default_factory=list)
@@ -197,10 +229,21 @@ class Estimate:
     step_time: float = math.inf
     mfu: float = 0.0
     hfu: float = 0.0
+    calibrated: bool = False
 
     @property
     def feasible(self) -> bool:
         return not self.reasons
+
+    def terms(self) -> dict[str, float]:
+        """The step in the three terms a run's trace can measure (:func:`distlab.capstone.measured_terms`), adding up
+        to :attr:`step_time`: ``"forward and backward"`` (the busiest rank's stage work, its TP and CP collectives
+        inside), ``"bubble"`` (what it waits for in the schedule, the messages between stages included) and
+        ``"after the schedule"`` (the DP collectives not hidden, and with a calibration the clipping and the
+        optimizer)."""
+        s = self.seconds
+        return {"forward and backward": s["compute"] + s["tp"] + s["cp"], "bubble": s["bubble"] + s["pp"],
+                "after the schedule": s["dp exposed"] + s.get("step overhead", 0.0)}
 
     def summary(self) -> str:
         mem = f"{self.memory.get('total', 0) / GB:6.1f} GB"
@@ -350,18 +393,23 @@ def _sizes_of(cluster: Cluster):
 
 def estimate(model: ModelShape, cluster: Cluster, layout: Layout, global_batch: int,
              matmul_efficiency: float = 0.7, headroom: float = 0.1, precision: str = "mixed",
-             overlap_cost: float = OVERLAP_COST) -> Estimate:
+             overlap_cost: float = OVERLAP_COST, calibration: Calibration | None = None) -> Estimate:
     """Memory, time and MFU of ``layout``, and every reason it cannot run.
 
-    ``matmul_efficiency``: the share of peak FLOP/s the matmuls reach (an assumption, stated);
+    ``matmul_efficiency``: the share of peak FLOP/s the matmuls reach (an assumption, stated; a published
+    cluster's planner keeps it, and a ``calibration`` replaces it);
     ``headroom``: the share of HBM kept free for buffers and fragmentation; ``precision``: a
     :func:`distlab.memory.bytes_per_param` precision — ``"mixed_fp32_grads"`` accumulates and
     reduces the gradients in fp32 (Llama 3), doubling their memory and their DP traffic;
-    ``overlap_cost``: the share of the DP traffic hidden behind compute that still slows it (an assumption).
+    ``overlap_cost``: the share of the DP traffic hidden behind compute that still slows it (an assumption);
+    ``calibration``: this machine measured (:func:`~distlab.parallel3d.calibration.calibrate`, with
+    :func:`calibrated_cluster` as ``cluster``): the time is then :func:`calibrated_times`'s.
     """
-    est = Estimate(layout, reasons=_check(model, cluster, layout, global_batch))
+    est = Estimate(layout, reasons=_check(model, cluster, layout, global_batch), calibrated=calibration is not None)
+    if calibration is not None and layout.cp > 1:
+        est.reasons.append(f"CP {layout.cp}: the calibrated model prices DP × PP × TP only")
     if any("does not divide" in r or "stages for" in r or "interleaving" in r or "global batch" in r
-           or "to keep unsharded" in r for r in est.reasons):
+           or "to keep unsharded" in r or "calibrated model" in r for r in est.reasons):
         return est  # the shapes do not work: nothing to estimate
     seq, mb = model.seq_len // layout.cp, layout.micro_batch
     layers = _layers_per_rank(model, layout)
@@ -391,6 +439,15 @@ def estimate(model: ModelShape, cluster: Cluster, layout: Layout, global_batch: 
                            f"{size(cluster.hbm_bytes)} HBM")
     # time
     tokens = global_batch * model.seq_len
+    if calibration is not None:
+        est.bytes = bytes_per_axis(model, layout, sequence_parallel=False, bytes_per_value=int(unsharded.params),
+                                   grad_bytes_per_value=int(unsharded.grads))
+        est.seconds, est.bubble = calibrated_times(model, layout, calibration, int(unsharded.params))
+        est.step_time = sum(est.seconds.values())
+        est.mfu = mfu(model.flops_per_token, tokens / est.step_time / cluster.gpus, cluster.peak_flops)
+        recomputed = model.flops_per_token / 3 if layout.checkpointing else 0.0
+        est.hfu = hfu(model.flops_per_token, tokens / est.step_time / cluster.gpus, cluster.peak_flops, recomputed)
+        return est
     flops = model.flops_per_token * tokens
     compute = flops / cluster.gpus / (cluster.peak_flops * matmul_efficiency)
     if layout.checkpointing:
@@ -424,6 +481,85 @@ def estimate(model: ModelShape, cluster: Cluster, layout: Layout, global_batch: 
     return est
 
 
+def calibrated_times(model: ModelShape, layout: Layout, calibration: Calibration,
+                     bytes_per_value: int = 4) -> tuple[dict[str, float], float]:
+    """The step of ``layout`` on the calibrated machine, as distlab's grid worker runs it: ``(seconds, bubble)``.
+
+    ``seconds`` splits the step into terms that add up to it: ``compute`` (the busiest rank's forward and backward
+    work), ``tp`` (its TP all-reduces, inside that work, as the calibration measured them: two per block each way,
+    the embedding's, the output layer's and the loss's three), ``pp`` (what the messages between stages add to the
+    schedule, each arriving a calibrated hand-off after both ends posted it), ``bubble`` (what the busiest rank waits
+    for in the schedule besides those), ``dp exposed``
+    (the DP reduce-scatter and all-gather — or DDP's all-reduce — after the schedule) and ``step overhead`` (the
+    clipping's and the loss's all-reduces and the optimizer). ``bubble`` in the return is the busiest rank's idle
+    share of the schedule, as :func:`~distlab.pipeline_parallel.trace_bubble` reads it off a run.
+
+    The ranks share the machine: the calibration measured each shape while every rank computed, and each rank alone
+    (:attr:`~distlab.parallel3d.calibration.Calibration.cores`). A pipeline keeps its light stages idle part of the
+    time, and then the busy ones run faster. So the schedule is replayed at the speed of a rank alone, the demand
+    (the sum over ranks of their busy share) is compared with the cores, and the compute is slowed by demand / cores
+    where the demand exceeds them: every rank busy gives back the speed measured while all computed.
+    """
+    t, p, v, m = layout.tp, layout.pp, layout.v, layout.m
+    cost = calibration.compute_at(t, layout.micro_batch * model.seq_len)
+    activation = activation_message_bytes(layout.micro_batch, model.seq_len, model.d_model, bytes_per_value)
+    again = 1.0 if layout.checkpointing else 0.0  # recomputation runs each block's forward again in backward
+    stages = even_partition(model.n_layer, p * v)
+    work, comm = [], []  # per rank: (forward, backward) seconds, and the TP collectives' share of them
+    for r in range(p):
+        chunks = [r + k * p for k in range(v)]
+        layers = sum(len(stages[c]) for c in chunks)
+        f, b = layers * cost.forward, layers * (cost.backward + again * cost.forward)
+        collectives = layers * (cost.collectives_forward * (1 + again) + cost.collectives_backward)
+        if 0 in chunks:
+            f, b = f + cost.embedding_forward, b + cost.embedding_backward
+            collectives += cost.embedding_collectives
+        if p * v - 1 in chunks:
+            f, b = f + cost.head_forward, b + cost.head_backward
+            collectives += cost.head_collectives
+        work.append((f, b))
+        comm.append(collectives)
+    alone = calibration.cores / calibration.world_size  # a rank's time alone over its time among busy ranks
+    schedule = make_schedule("interleaved" if v > 1 else "1f1b", p, m, v) if p > 1 else None
+    handoff = calibration.link("send", 2).seconds(activation) if p > 1 else 0.0
+
+    def replay(slowdown: float, message: float) -> tuple[float, list[float]]:
+        fwd, bwd = [f * alone * slowdown for f, _ in work], [b * alone * slowdown for _, b in work]
+        if schedule is None:
+            return m * (fwd[0] + bwd[0]), [m * (fwd[0] + bwd[0])]
+        sim = simulate(schedule, m, v, forward_cost=fwd, backward_cost=bwd, message_cost=message)
+        return sim.makespan, sim.busy
+
+    makespan, busy = replay(1.0, handoff)
+    demand = sum(busy) / makespan * calibration.world_size / len(busy)  # ranks computing at once, on average
+    slowdown = max(1.0, demand / calibration.cores)
+    makespan, busy = replay(slowdown, handoff)
+    without_messages, _ = replay(slowdown, 0.0)
+    busiest = max(range(len(busy)), key=busy.__getitem__)
+    tp_seconds = m * comm[busiest] * alone * slowdown
+    # after the schedule, on the fullest rank: the DP messages, the clipping's and the loss's all-reduces, the update
+    held = _params_per_rank(model, layout)
+    grad_bytes = 4  # the worker reduces gradients in fp32
+    n = layout.dp
+    if n > 1 and layout.zero >= 1:
+        grads, weights = dp_messages(layout)
+        dp = (calibration.link("reduce_scatter", n).seconds(held * grad_bytes, grads)
+              + calibration.link("all_gather", n).seconds(held * bytes_per_value, weights))
+    else:
+        dp = calibration.link("all_reduce", n).seconds(held * grad_bytes) if n > 1 else 0.0
+    norm_axes = [size for size in ((n if layout.zero >= 1 else 1), p, t) if size > 1]
+    small = sum(calibration.link("all_reduce", size).seconds(8) for size in norm_axes)
+    small += calibration.link("all_reduce", calibration.world_size).seconds(16) if calibration.world_size > 1 else 0.0
+    updated = held / n if layout.zero >= 1 else held
+    flattened = held * (1 if layout.zero >= 1 else 2)  # ZeRO-1 flattens the gradients; DDP also copies them back
+    optimizer = (calibration.step_fixed + calibration.per_param_updated * updated
+                 + calibration.per_param_held * flattened)
+    busy_max = busy[busiest]
+    seconds = {"compute": busy_max - tp_seconds, "tp": tp_seconds, "cp": 0.0, "pp": makespan - without_messages,
+               "bubble": without_messages - busy_max, "dp exposed": dp, "step overhead": small + optimizer}
+    return seconds, (makespan - busy_max) / makespan if p > 1 else 0.0
+
+
 def _dp_exposed(layout: Layout, dp_bytes: float, dp_calls: float, compute: float, on_link, overlap_cost: float,
                 grad_width: float = 1.0) -> float:
     """Seconds of DP traffic the compute does not hide. Each kind of message has a window it must fit in:
@@ -450,6 +586,23 @@ def _dp_exposed(layout: Layout, dp_bytes: float, dp_calls: float, compute: float
     backward = compute * 2 / 3
     late = max(0.0, once - backward / layout.m, once + grads_each_micro - backward, total - compute)
     return late + overlap_cost * (total - late)
+
+
+def prediction_lines(estimate: Estimate, model: ModelShape) -> list[str]:
+    """The planner's prediction for a run of ``estimate.layout``, in the figures a run card measures: the step time
+    and its terms (:meth:`Estimate.terms`), MFU, the pipeline bubble, the payload each axis sends per step (the
+    message sizes, :func:`bytes_per_axis`) and the memory of the model states per rank. Printed before the run it
+    predicts (lab 13), and by lab 11's planner for a calibrated machine."""
+    terms = ", ".join(f"{name} {seconds * 1e3:.1f} ms" for name, seconds in estimate.terms().items())
+    payload = ", ".join(f"{axis.upper()} {estimate.bytes.get(axis, 0) / 1e6:.3f} MB" for axis in ("dp", "pp", "tp"))
+    states = estimate.memory["params"] + estimate.memory["grads"] + estimate.memory["optimizer"]
+    how = "calibrated on this machine" if estimate.calibrated else "at the assumed matmul efficiency"
+    return [f"predicted for {estimate.layout} ({how}):",
+            f"  step time {estimate.step_time * 1e3:.1f} ms = {terms}",
+            f"  MFU {estimate.mfu:.1%}; pipeline bubble {estimate.bubble:.3f}" + (" (no pipeline)"
+                                                                                if estimate.layout.pp == 1 else ""),
+            f"  payload per step (message sizes): {payload}",
+            f"  memory per rank (weights, gradients, optimizer state): {states / 1e6:.3f} MB"]
 
 
 def _divisors(n: int) -> list[int]:
@@ -521,13 +674,18 @@ class Plan:
 
 
 def plan(model: ModelShape | str, cluster: Cluster, global_batch: int, matmul_efficiency: float = 0.7,
-         headroom: float = 0.1, precision: str = "mixed", overlap_cost: float = OVERLAP_COST, **choices) -> Plan:
+         headroom: float = 0.1, precision: str = "mixed", overlap_cost: float = OVERLAP_COST,
+         calibration: Calibration | None = None, **choices) -> Plan:
     """Estimate every layout of :func:`enumerate_layouts` and rank them by step time
-    (``precision`` and ``overlap_cost`` as in :func:`estimate`)."""
+    (``precision``, ``overlap_cost`` and ``calibration`` as in :func:`estimate`)."""
     model = ModelShape.from_preset(model) if isinstance(model, str) else model
     if isinstance(global_batch, bool) or not isinstance(global_batch, int) or global_batch < 1:
         raise ValueError(f"global_batch must be a positive number of sequences, got {global_batch!r}")
-    estimates = [estimate(model, cluster, layout, global_batch, matmul_efficiency, headroom, precision, overlap_cost)
+    if calibration is not None and calibration.world_size != cluster.gpus:
+        raise ValueError(f"the calibration measured {calibration.world_size} ranks, the cluster has {cluster.gpus}: "
+                         f"plan with calibrated_cluster(calibration, memory_per_rank)")
+    estimates = [estimate(model, cluster, layout, global_batch, matmul_efficiency, headroom, precision, overlap_cost,
+                          calibration)
                  for layout in enumerate_layouts(model, cluster, global_batch, **choices)]
     feasible = sorted((e for e in estimates if e.feasible), key=lambda e: (e.step_time, e.memory["total"]))
     # near-misses: the shapes work, only a resource is short; least over the limit first

@@ -19,7 +19,7 @@ import statistics
 from dataclasses import dataclass
 from typing import Sequence
 
-from distlab.pipeline_parallel.schedules import Action, Simulation, simulate
+from distlab.pipeline_parallel.schedules import COMPUTE, Action, Simulation, simulate
 from distlab.runtime import trace as trace_format
 from distlab.runtime.timeline import Span, idle_fraction
 
@@ -44,21 +44,39 @@ def step_spans(spans: Sequence[Span], step: int) -> list[Span]:
 
 
 def measured_stage_times(spans: Sequence[Span], ranks: int, v: int = 1) -> dict[str, list[float]]:
-    """Each rank's median forward (``"F"``) and backward (``"B"``) span, in seconds, as whole-rank work: an
-    interleaved rank's span is one of its ``v`` stages, so its work per micro-batch is ``v`` times that span.
-    Medians, so one span stretched by the operating system does not move the figure."""
+    """Each rank's median forward (``"F"``) and backward (``"B"``; ``"I"`` and ``"W"`` too where the backward
+    was split) span, in seconds, as whole-rank work: a rank's span is one of its ``v`` stages, so its work per
+    micro-batch is ``v`` times that span. Medians, so one span stretched by the operating system does not move
+    the figure. Only the kinds the spans hold are reported."""
     work = compute_spans(spans)
+    kinds = [k for k in "FBIW" if any(s.label[0] == k for s in work)]
     return {kind: [v * statistics.median(s.duration for s in work if s.rank == r and s.label[0] == kind)
-                   for r in range(ranks)] for kind in "FB"}
+                   for r in range(ranks)] for kind in kinds}
 
 
-def replay(spans: Sequence[Span], schedule: Sequence[Sequence[Action]], m: int, v: int = 1) -> Simulation:
-    """The step an ideal executor would have run with these spans' own stage times (:func:`measured_stage_times`
-    replayed through :func:`~distlab.pipeline_parallel.schedules.simulate`). Its bubble is what the schedule
-    costs at the measured, unequal stage times; a measured bubble above it is the executor's own cost
-    (messages, waits), not the schedule's."""
-    times = measured_stage_times(spans, len(schedule), v)
-    return simulate(schedule, m, v, forward_cost=times["F"], backward_cost=times["B"])
+def replay(spans: Sequence[Span], schedule: Sequence[Sequence[Action]], m: int, v: int = 1,
+           message_cost: float = 0.0) -> Simulation:
+    """The step an ideal executor would have run with these spans' own compute: every forward and backward of
+    one step (``spans``, e.g. :func:`step_spans`) takes the time it took, and starts as soon as its rank is free
+    and its input there, messages costing nothing (:func:`~distlab.pipeline_parallel.schedules.simulate` with
+    ``durations``). Its bubble is what the schedule costs at the measured, unequal and jittery compute; a
+    measured bubble above it is the executor's own cost (Python between actions, messages in flight, a
+    receive posted late), not the schedule's; ``message_cost`` (seconds per message, a measured transfer
+    time) charges the wire, so what remains above that replay is the executor's alone. Each rank's spans,
+    in time order, are its schedule's computes."""
+    durations = {}
+    for r, ops in enumerate(schedule):
+        computes = [a for a in ops if a.kind in COMPUTE]
+        own = sorted((s for s in compute_spans(spans) if s.rank == r), key=lambda s: s.start)
+        if len(own) != len(computes):
+            raise ValueError(f"rank {r} has {len(own)} compute spans in this step but its schedule {len(computes)} "
+                             f"computes: give one step's spans (step_spans) of a run of this schedule")
+        for a, s in zip(computes, own):
+            if s.label.split(".")[0] != f"{a.kind}{a.microbatch}":
+                raise ValueError(f"rank {r}: span {s.label!r} is where the schedule runs {a!r}: these spans are not "
+                                 f"this schedule's")
+            durations[tuple(a)] = s.duration
+    return simulate(schedule, m, v, durations=durations, message_cost=message_cost)
 
 
 # Each rank's idle share over one window common to all ranks; ``bottleneck``, ``fraction`` (the bubble) and

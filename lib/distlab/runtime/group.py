@@ -48,6 +48,26 @@ _preload = ["torch", "torch.distributed", "torch.distributed._functional_collect
             "distlab.runtime.payload", "distlab.runtime.rank", "distlab.runtime.reaper"]
 
 
+# multiprocessing's forkserver listens on a Unix socket at $TMPDIR/pymp-XXXXXXXX/listener-XXXXXXXX
+# (multiprocessing.connection.arbitrary_address), and a Unix socket's path holds at most 107 bytes on Linux,
+# 103 on macOS (sun_path less its NUL, man 7 unix).
+_SOCKET_PATH_LIMIT = 103 if sys.platform == "darwin" else 107
+_LISTENER_SUFFIX = len("/pymp-XXXXXXXX/listener-XXXXXXXX")
+
+
+def check_socket_room(temp: str | None = None) -> None:
+    """Refuse, in one line, a temporary folder too long for the forkserver's socket.
+
+    Python's own error comes from deep inside multiprocessing (``OSError: AF_UNIX path too long``) and names
+    no folder; a cluster job's ``$TMPDIR`` (``/local/scratch/job-…/…``) can be that long."""
+    temp = temp or tempfile.gettempdir()
+    room = _SOCKET_PATH_LIMIT - _LISTENER_SUFFIX
+    if len(os.fsencode(temp)) > room:
+        raise OSError(f"the temporary folder {temp!r} is {len(os.fsencode(temp))} bytes long; the ranks' forkserver "
+                      f"listens on a Unix socket inside it, which allows {room}: set TMPDIR to a shorter folder "
+                      "(export TMPDIR=/tmp) before starting Python")
+
+
 def forkserver_context():
     """A forkserver context whose server imported torch once, before any CUDA use."""
     global _context
@@ -55,6 +75,7 @@ def forkserver_context():
         if "forkserver" not in mp.get_all_start_methods():  # Windows, macOS without it
             _context = mp.get_context("spawn")
         else:
+            check_socket_room()
             _context = mp.get_context("forkserver")
             _context.set_forkserver_preload(list(_preload))
     return _context

@@ -13,7 +13,9 @@
 
 The interface a call site may use is the part of tqdm's that both kinds share: the arguments ``total``,
 ``desc``, ``unit``, ``initial`` and ``disable``; iterating, ``update(n)``, ``set_description``,
-``set_postfix_str``, ``close``, ``n``, ``total``, and ``with``.
+``set_postfix_str``, ``write``, ``close``, ``n``, ``total``, and ``with``. ``bar.write(line)`` prints a line
+(on stdout) above a drawn bar without breaking it, as tqdm's does: a loop that reports as it goes (a benchmark's
+rounds, the output of the scripts ``benchmarks/run_all.py`` runs) prints through it.
 
 **Inside a rank.** A rank started by ``launch``/``Ranks`` writes its stderr to a file the launcher reads after
 the job, so a bar drawn there would show up, frozen, once the job is over. There ``progress`` *reports* instead:
@@ -89,6 +91,10 @@ class _Silent:
 
     def set_postfix_str(self, s: str = "", refresh: bool = True) -> None:
         pass
+
+    def write(self, s: str, file=None, end: str = "\n") -> None:
+        """Print ``s`` (no bar to keep clear of here); flushed, so that a log file keeps the order of events."""
+        print(s, end=end, file=file if file is not None else sys.stdout, flush=True)
 
     def close(self) -> None:
         pass

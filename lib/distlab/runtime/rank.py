@@ -69,6 +69,15 @@ def device() -> torch.device:
     return torch.device("cpu")
 
 
+def native_bf16(dev: torch.device) -> bool:
+    """Whether ``dev`` computes bf16 in hardware: a GPU of compute capability 8.0 or more.
+
+    ``torch.cuda.is_bf16_supported()`` with its defaults also answers True where bf16 is only emulated (a T4 or a
+    V100, Colab's and Kaggle's GPUs; ``including_emulation`` in ``torch/cuda/__init__.py``), and bf16 then runs at
+    a fraction of fp16's speed; the course picks a dtype by what the hardware does, so it asks without emulation."""
+    return dev.type == "cuda" and torch.cuda.is_bf16_supported(including_emulation=False)
+
+
 def main(spec: RankSpec, conn, status, board) -> None:
     """Entry point of a rank process."""
     # Our own process group: the launcher ends this rank and every process it starts with one

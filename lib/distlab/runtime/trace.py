@@ -432,14 +432,22 @@ def _overlap(a: list[tuple[float, float]], b: list[tuple[float, float]]) -> floa
 
 @dataclass(frozen=True)
 class RankTime:
-    """Where one rank's time went, over its own window (first slice start to last slice end), in seconds."""
+    """Where one rank's time went, over its own window (first slice start to last slice end), in seconds.
+
+    A communication slice lasts from the op's issue to its completion, so a rank blocked in ``wait()`` on a
+    posted ``irecv`` is in a communication slice, not idle: the time it waited for a message is in
+    :attr:`exposed_comm` (communication with no compute under it). :attr:`idle` is only what no slice
+    covers — and a marker slice such as a training step's covers its whole step — so it reads near zero
+    on a pipeline even when its bubble is large: a pipeline rank's time not computing is
+    ``window - compute``, and its bubble is read by :func:`bubble`.
+    """
 
     rank: int
     window: float
     compute: float  # covered by compute slices
-    comm: float  # covered by communication slices
+    comm: float  # covered by communication slices, waiting for a message in a posted irecv included
     hidden: float  # communication covered by compute at the same time
-    idle: float  # covered by no slice at all
+    idle: float  # covered by no slice at all: neither computing nor in a communication op
 
     @property
     def hidden_share(self) -> float:
@@ -453,7 +461,7 @@ class RankTime:
 
     @property
     def exposed_comm(self) -> float:
-        """Communication no compute hid: what it added to the step."""
+        """Communication no compute hid: what it added to the step — for a receive, the wait for its message."""
         return self.comm - self.hidden
 
 

@@ -27,7 +27,7 @@ from distlab.flops import step_report
 from distlab.memory import ActivationMeter
 from distlab.model import GPT, GPTConfig, synthetic_batch
 from distlab.reference import make_optimizer
-from distlab.runtime.rank import device
+from distlab.runtime.rank import device, native_bf16
 from distlab.runtime.timeline import span
 from distlab.tensor_parallel.communication import comm_since, comm_snapshot, tp_group, tp_rank
 from distlab.tensor_parallel.gpt import TensorParallelBlock, TensorParallelGPT, check_tp_sizes, is_replicated, shard_of
@@ -123,7 +123,7 @@ def choose_precision(precision: str, dev: torch.device) -> tuple[torch.dtype | N
     """``"auto"``: bf16 autocast on a GPU that has bf16 (compute capability 8.0+), else fp32; and why."""
     if precision not in ("auto", "bf16", "fp32"):
         raise ValueError(f"precision must be 'auto', 'bf16' or 'fp32', got {precision!r}")
-    has_bf16 = dev.type == "cuda" and torch.cuda.is_bf16_supported()
+    has_bf16 = native_bf16(dev)
     if precision == "bf16" and not has_bf16:
         raise ValueError("precision='bf16' needs a GPU with bf16 (compute capability 8.0+); on the CPU, gloo "
                          "reduces in fp32: use precision='fp32'")

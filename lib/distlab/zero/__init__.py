@@ -23,6 +23,9 @@ reduce once; ZeRO-2/3 keep only a shard, so every micro-batch's gradients are re
 * :mod:`~distlab.zero.zero2` — ZeRO-2, :class:`ZeRO2`, gradients reduce-scattered per bucket in backward;
 * :mod:`~distlab.zero.fsdp` — ZeRO-3, :class:`ZeRO3`, per-unit gather/free with hooks, prefetch,
   and :func:`checkpoint_module` (activation checkpointing);
+* :mod:`~distlab.zero.per_param` — FSDP2's design: :class:`PerParamFSDP` shards every parameter on dim 0, the
+  module's parameters are the shards (any ``torch.optim`` optimizer steps them), mixed precision keeps fp32 masters;
+  :func:`apply_fully_shard` puts PyTorch's ``fully_shard`` on the same modules, :func:`train_per_param` trains either;
 * :mod:`~distlab.zero.train` — :func:`train_worker` for every stage and for PyTorch's own
   (``ZeroRedundancyOptimizer``, FSDP2 ``fully_shard``), measurements, and :func:`train` for torchrun::
 
@@ -51,6 +54,18 @@ from distlab.zero.fsdp import (
     unshard,
 )
 from distlab.zero.optim import ShardedOptimizer, mixed_precision_step
+from distlab.zero.per_param import (
+    DEFAULT_SHARDED,
+    PerParamFSDP,
+    ShardedParam,
+    apply_fully_shard,
+    cast_reference,
+    compare_designs,
+    dim0_chunk,
+    reduce_scatter_dim0,
+    shuffled_rows,
+    train_per_param,
+)
 from distlab.zero.train import (
     STAGES,
     WRAP_POLICIES,
@@ -74,5 +89,7 @@ __all__ = [
     "plan_units", "reshard", "unshard", "ShardedOptimizer", "mixed_precision_step", "STAGES", "WRAP_POLICIES",
     "comm_per_step", "comm_snapshot", "compute_dtype", "full_state_dict", "make_engine", "peak_memory",
     "state_bytes", "train", "train_worker", "validate", "ZeRO2", "reduce_scatter_grads", "run_exercise",
-    "attention_core", "unfused_attention", "reduce_accumulating",
+    "attention_core", "unfused_attention", "reduce_accumulating", "DEFAULT_SHARDED", "PerParamFSDP", "ShardedParam",
+    "apply_fully_shard", "cast_reference", "compare_designs", "dim0_chunk", "reduce_scatter_dim0", "shuffled_rows",
+    "train_per_param",
 ]

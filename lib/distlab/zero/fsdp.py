@@ -40,8 +40,8 @@ from distlab.zero.flat import Axis, FlatParam, alloc_storage, free_storage, gath
 from distlab.zero.optim import ShardedOptimizer
 from distlab.zero.zero2 import queue_after_backward, reduce_accumulating, reduce_scatter_grads
 
-__all__ = ["plan_units", "assign_params", "FSDPUnit", "ZeRO3", "unshard", "reshard", "checkpoint_module",
-           "attention_core", "unfused_attention"]
+__all__ = ["plan_units", "is_inside", "tensors_in", "assign_params", "FSDPUnit", "ZeRO3", "unshard", "reshard",
+           "checkpoint_module", "attention_core", "unfused_attention"]
 
 _CONTAINERS = (nn.ModuleList, nn.ModuleDict, nn.ParameterList, nn.ParameterDict)
 
@@ -70,14 +70,15 @@ def plan_units(module: nn.Module, wrap: Sequence[type] = ()) -> list[tuple[str, 
     return units
 
 
-def _inside(child: str, parent: str) -> bool:
+def is_inside(child: str, parent: str) -> bool:
+    """Whether module ``child`` (a dotted name) is ``parent`` or inside it; ``""`` is the root."""
     return parent == "" or child == parent or child.startswith(parent + ".")
 
 
 def assign_params(module: nn.Module, unit_names: Sequence[str]) -> list[list[nn.Parameter]]:
     """Each parameter to the innermost unit containing every module that uses it (tied → common unit)."""
     def unit_of(module_name: str) -> int:
-        return max((i for i, u in enumerate(unit_names) if _inside(module_name, u)), key=lambda i: len(unit_names[i]))
+        return max((i for i, u in enumerate(unit_names) if is_inside(module_name, u)), key=lambda i: len(unit_names[i]))
 
     owners: dict[int, set[int]] = {}
     for name, m in module.named_modules(remove_duplicate=False):
@@ -86,7 +87,7 @@ def assign_params(module: nn.Module, unit_names: Sequence[str]) -> list[list[nn.
     out: list[list[nn.Parameter]] = [[] for _ in unit_names]
     for p in module.parameters():
         units = owners[id(p)]
-        common = [i for i, u in enumerate(unit_names) if all(_inside(unit_names[j], u) for j in units)]
+        common = [i for i, u in enumerate(unit_names) if all(is_inside(unit_names[j], u) for j in units)]
         out[max(common, key=lambda i: len(unit_names[i]))].append(p)
     return out
 
@@ -133,13 +134,14 @@ class _RunAfterBackward(torch.autograd.Function):
         return (None, *grads)
 
 
-def _tensors(obj) -> list[torch.Tensor]:
+def tensors_in(obj) -> list[torch.Tensor]:
+    """Every tensor in a module's output (nested lists, tuples and dicts), where backward hooks can go."""
     if isinstance(obj, torch.Tensor):
         return [obj]
     if isinstance(obj, (list, tuple)):
-        return [t for item in obj for t in _tensors(item)]
+        return [t for item in obj for t in tensors_in(item)]
     if isinstance(obj, dict):
-        return [t for item in obj.values() for t in _tensors(item)]
+        return [t for item in obj.values() for t in tensors_in(item)]
     return []
 
 
@@ -251,7 +253,7 @@ class ZeRO3(nn.Module):
             unit.trace.__exit__(None, None, None)
             unit.trace = None
         if torch.is_grad_enabled():
-            for t in _tensors(output):
+            for t in tensors_in(output):
                 if t.requires_grad:
                     t.register_hook(functools.partial(self._pre_backward, unit))
         self._reshard(unit)

@@ -29,6 +29,7 @@ from distlab.model import Block, GPTConfig
 from distlab.reference import make_optimizer
 from distlab.runtime import comm
 from distlab.runtime.rank import device as rank_device
+from distlab.runtime.rank import native_bf16
 from distlab.runtime.timeline import span
 from distlab.workload import build_model, local_batches
 from distlab.zero.flat import Axis, check_shard_size, flat_params_of, gather_flat, mesh_axes
@@ -37,7 +38,7 @@ from distlab.zero.optim import ShardedOptimizer
 from distlab.zero.zero2 import ZeRO2
 
 __all__ = ["STAGES", "WRAP_POLICIES", "compute_dtype", "validate", "make_engine", "state_bytes", "full_state_dict",
-           "comm_snapshot", "comm_per_step", "peak_memory", "train_worker", "train", "run_exercise"]
+           "comm_snapshot", "comm_per_step", "device_mesh", "peak_memory", "train_worker", "train", "run_exercise"]
 
 STAGES = {0: "DDP", 1: "ZeRO-1", 2: "ZeRO-2", 3: "ZeRO-3"}
 WRAP_POLICIES = {"block": (Block,), "model": ()}  # one unit per transformer block, or one for the whole model
@@ -47,7 +48,7 @@ _DTYPES = {None: None, "fp32": None, "bf16": torch.bfloat16}
 def compute_dtype(device: torch.device) -> tuple[torch.dtype, str]:
     """The low-precision dtype for compute copies on ``device``, and one line saying why."""
     if device.type == "cuda":
-        if torch.cuda.is_bf16_supported():
+        if native_bf16(device):
             return torch.bfloat16, f"bf16 on {torch.cuda.get_device_name(device)} (compute capability 8.0+)"
         return torch.float32, ("this GPU has no bf16; fp16 would need loss scaling, which this lab does not "
                                "build: computing in fp32")
@@ -140,7 +141,7 @@ def _torch_engine(stage: int, module: nn.Module, optimizer: str, lr: float, dtyp
     )
 
     policy = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype else MixedPrecisionPolicy()
-    mesh = _device_mesh(shard_size)
+    mesh = device_mesh(shard_size)
     for m in module.modules():
         if m is not module and isinstance(m, WRAP_POLICIES[wrap]):
             fully_shard(m, mesh=mesh, mp_policy=policy)
@@ -151,7 +152,7 @@ def _torch_engine(stage: int, module: nn.Module, optimizer: str, lr: float, dtyp
 _meshes: dict = {}
 
 
-def _device_mesh(shard_size: int | None):
+def device_mesh(shard_size: int | None):
     """FSDP2's mesh, made once per rank process: 1-D, or (replicate, shard) for HSDP."""
     world = dist.get_world_size()
     shard_size = shard_size or world
