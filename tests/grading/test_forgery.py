@@ -1,18 +1,22 @@
-"""Grades no student can forge: notebooks that try, graded together as ``distlab grade`` grades a class, score 0 on
-every exercise they did not solve, and the lab's solution graded beside them scores full marks.
+"""Grades no student can forge: notebooks that try, graded together as ``distlab grade`` grades a class, score what
+the untouched lab scores (0) on every exercise they did not solve, and the lab's solution graded beside them scores
+full marks.
 
-Each forger is the untouched lab (its stubs and blank quiz answers) plus what a student who wants the marks
-without the work would add: the cell issue 43 found (it patched the kernel's ledger), rebinding or patching the
-checkers in the kernel (``sys.modules``, ``gc``, ``builtins``, an import hook), functions that patch the checker,
-``torch.distributed`` or the reply channel when the grader calls them (on ranks and in the sandbox), values and
-tensors that lie about equality, a kernel that prints a passing line and exits, results files, a daemon that
-outlives the notebook, reading the grader's environment and memory, ending the grader's forkserver, and editing an
-installed checker. Lab 00 is the cheapest real lab (its checks run on ranks); lab 01's run in the sandbox
-(single-process functions). All notebooks of a kind are graded in one run, so the suite pays for one kernel factory
-and one grader factory. One hole is documented here rather than closed (a strict xfail): a count the student's own
-process takes of its calls is theirs to rewrite.
+Each forger is the untouched generated lab (its stubs, blank quiz answers and demos) with one cell a student who
+wants the marks without the work would add: the cell issue 43 found (it patched the kernel's ledger) and the same
+cell run by ``exec`` from text no search of the sources finds, a ``json.dumps`` that rewrites every status it
+writes, rebinding or patching the checkers in the kernel (``sys.modules``, ``gc``, ``builtins``, an import hook),
+functions that patch the checker, ``torch.distributed`` or the reply channel when the grader calls them (on ranks
+and in the sandbox), values, tensors and quiz answers that lie about equality (and a ``repr`` that hands the grader
+code instead of an answer), a kernel that prints a passing line and exits, results files, a daemon that outlives
+the notebook, reading the grader's environment and memory, ending the grader's forkserver, and editing an installed
+checker. Lab 00 is the cheapest real lab (its checks run on ranks); lab 01's run in the sandbox (single-process
+functions). All notebooks of a kind are graded in one run, so the suite pays for one kernel factory and one grader
+factory. One hole is documented here rather than closed (a strict xfail): a count the student's own process takes
+of its calls is theirs to rewrite.
 """
 
+import base64
 import json
 import os
 import time
@@ -32,25 +36,20 @@ SECRET_VARIABLE = "COURSE_API_TOKEN"  # stands for the instructor's credentials 
 pytestmark = [pytest.mark.usefixtures("no_leftover_ranks")]
 
 
-def _exercise_cells(lab: Path) -> list[str]:
-    """The lab's import cell, exercise cells and quiz cells, as the generated lab has them (stubs, ``...``)."""
-    cells = [c.source for c in nbformat.read(lab, as_version=4).cells if c.cell_type == "code"]
-    keep = [s for s in cells if "distlab.check(" in s]
-    return ["import distlab\nimport torch\nimport torch.distributed as dist\nfrom distlab import memory", *keep]
-
-
-def _notebook(cells: list[str]) -> nbformat.NotebookNode:
-    nb = nbformat.v4.new_notebook()
-    nb.metadata["kernelspec"] = {"name": "python3", "display_name": "Python 3", "language": "python"}
-    nb.cells = [nbformat.v4.new_code_cell(source) for source in cells]
-    return nb
-
-
-def _forger(lab: Path, attack: str, where: str = "first") -> nbformat.NotebookNode:
-    """The lab's exercise cells, untouched, with ``attack`` before them (so it could change what they check) or
-    after them (so it could change what they reported)."""
-    cells = _exercise_cells(lab)
-    return _notebook([cells[0], attack, *cells[1:]] if where == "first" else [*cells, attack])
+def _forger(lab: Path, attack: str, where: str = "last") -> nbformat.NotebookNode:
+    """The untouched generated lab (its stubs, blank quiz answers and demos) with one cell added, as a student would
+    add it: at the end (to change what the lab's cells reported, or to hand in definitions and check lines of its
+    own, the latest of which counts), or ``where="first"``, right after the lab's import cell (to change what the
+    lab's own check lines then check)."""
+    notebook = nbformat.read(lab, as_version=4)
+    cell = nbformat.v4.new_code_cell(attack)
+    if where == "first":
+        imports = next(i for i, c in enumerate(notebook.cells)
+                       if c.cell_type == "code" and "import distlab" in c.source)
+        notebook.cells.insert(imports + 1, cell)
+    else:
+        notebook.cells.append(cell)
+    return notebook
 
 
 # ---------------------------------------------------------------- what the forgers add
@@ -60,6 +59,37 @@ m = sys.modules['distlab.' + 'grading']
 book = getattr(m, '_' + 'ledger')
 for r in book.values():
     r.status, r.points, r.detail = 'passed', r.max_points, 'ok'
+"""
+
+EXEC_BUILT_STRING = """import base64
+# the issue's cell again, as text no search of the sources finds: decoded, then executed
+exec(base64.b64decode(b"{payload}").decode())
+"""
+
+JSON_DUMPS = """import json
+encode = json.JSONEncoder.encode
+def passing(self, obj):  # whatever this kernel writes as JSON after this cell (json.dumps too) reads as passed
+    text = encode(self, obj)
+    for status in ('"not attempted"', '"failed"', '"not run"'):
+        text = text.replace(status, '"passed"')
+    return text
+json.JSONEncoder.encode = passing
+"""
+
+QUIZ_LIARS = """import builtins
+
+
+class Anything(float):  # equal to every answer key, if the grader compared the kernel's object
+    def __eq__(self, other):
+        return True
+    def __ne__(self, other):
+        return False
+    __hash__ = float.__hash__
+
+
+q0_1 = q0_2 = q0_3 = q0_4 = q0_5 = Anything(0.0)
+# the text the grader reads back for each answer: code, if the grader evaluated it rather than read it as data
+builtins.repr = lambda obj: "__import__('os').system('touch {marker}') or 3"
 """
 
 REBIND_CHECK = """import distlab, distlab.grading
@@ -343,43 +373,47 @@ os.utime({checker!r})  # as a student editing an installed checker would: the fi
 
 @pytest.fixture(scope="module")
 def graded(tmp_path_factory):
-    """Every forger and the two solutions, graded in one ``distlab grade`` run (the seconds are reported)."""
+    """Every forger, the two untouched labs and the two solutions, graded in one run of what ``distlab grade`` runs
+    (:func:`grade_notebooks`, in this process: the snooping forger reads this process's memory; the seconds are
+    reported)."""
     folder = tmp_path_factory.mktemp("forgery")
     marker = folder / "pwned"
-    notebooks = {
-        "issue43": None,
-        "rebind": _forger(LAB00, REBIND_CHECK),
-        "checkers": _forger(LAB00, PATCH_CHECKERS),
-        "gc": _forger(LAB00, GC_OBJECTS, where="last"),
-        "builtins": _forger(LAB00, BUILTINS),
-        "hook": _forger(LAB00, IMPORT_HOOK),
-        "on_call": _notebook([_exercise_cells(LAB00)[0], PATCH_ON_CALL_RANKS]),
-        "liars": _notebook([_exercise_cells(LAB00)[0], LIARS]),
-        "exit": _forger(LAB00, EXIT_AFTER_PRINT, where="last"),
-        "rank_reply": _notebook([_exercise_cells(LAB00)[0], CRAFTED_RANK_REPLY.format(marker=marker)]),
+    lab00 = {
+        "untouched00": nbformat.read(LAB00, as_version=4),
+        "issue43": _forger(LAB00, ISSUE_43_CELL),
+        "exec": _forger(LAB00, EXEC_BUILT_STRING.format(payload=base64.b64encode(ISSUE_43_CELL.encode()).decode())),
+        "json": _forger(LAB00, JSON_DUMPS, where="first"),
+        "rebind": _forger(LAB00, REBIND_CHECK, where="first"),
+        "checkers": _forger(LAB00, PATCH_CHECKERS, where="first"),
+        "gc": _forger(LAB00, GC_OBJECTS),
+        "builtins": _forger(LAB00, BUILTINS, where="first"),
+        "hook": _forger(LAB00, IMPORT_HOOK, where="first"),
+        "on_call": _forger(LAB00, PATCH_ON_CALL_RANKS),
+        "liars": _forger(LAB00, LIARS),
+        "quiz_liars": _forger(LAB00, QUIZ_LIARS.format(marker=marker)),
+        "exit": _forger(LAB00, EXIT_AFTER_PRINT),
+        "rank_reply": _forger(LAB00, CRAFTED_RANK_REPLY.format(marker=marker)),
         "files": _forger(LAB00, RESULTS_FILES.format(outside=str(folder))),
         "daemon": _forger(LAB00, DAEMON.format(pid_file=str(folder / "daemon.pid"),
                                                target=str(folder / "report.json"))),
         "snoop": _forger(LAB00, SNOOP.format(grader_pid=os.getpid(), out=str(folder / "snooped.json"))),
-        "count": _notebook([_exercise_cells(LAB00)[0], FORGED_COUNT]),
-        "forkserver": _notebook([_exercise_cells(LAB00)[0], KILL_THE_FORKSERVER]),
-        "sandbox_reply": _notebook([_exercise_cells(LAB01)[0], CRAFTED_SANDBOX_REPLY.format(marker=marker)]),
-        "sandbox_patch": _notebook([_exercise_cells(LAB01)[0], PATCH_ON_CALL_SANDBOX]),
-        "liar_number": _notebook([_exercise_cells(LAB01)[0], LIAR_NUMBER]),
-        "sandbox_exit": _notebook([_exercise_cells(LAB01)[0], EXIT_IN_SANDBOX]),
-        "side_effect": _notebook([_exercise_cells(LAB01)[0], DEFINITION_SIDE_EFFECT]),
+        "count": _forger(LAB00, FORGED_COUNT),
+        "forkserver": _forger(LAB00, KILL_THE_FORKSERVER),
+    }
+    lab01 = {
+        "untouched01": nbformat.read(LAB01, as_version=4),
+        "sandbox_reply": _forger(LAB01, CRAFTED_SANDBOX_REPLY.format(marker=marker)),
+        "sandbox_patch": _forger(LAB01, PATCH_ON_CALL_SANDBOX),
+        "liar_number": _forger(LAB01, LIAR_NUMBER),
+        "sandbox_exit": _forger(LAB01, EXIT_IN_SANDBOX),
+        "side_effect": _forger(LAB01, DEFINITION_SIDE_EFFECT),
     }
     paths = {}
-    for name, notebook in notebooks.items():
-        lab = "01_memory_math" if name in ("sandbox_reply", "sandbox_patch", "liar_number", "sandbox_exit",
-                                           "side_effect") else "00_setup"
-        path = folder / name / f"{lab}.ipynb"
-        path.parent.mkdir()
-        if notebook is None:  # the issue's own attempt: one cell appended to the untouched lab
-            notebook = nbformat.read(LAB00, as_version=4)
-            notebook.cells.append(nbformat.v4.new_code_cell(ISSUE_43_CELL))
-        nbformat.write(notebook, path)
-        paths[name] = path
+    for lab, notebooks in ((LAB00, lab00), (LAB01, lab01)):
+        for name, notebook in notebooks.items():
+            paths[name] = folder / name / lab.name
+            paths[name].parent.mkdir()
+            nbformat.write(notebook, paths[name])
     for name, solution in (("solved00", SOLUTION00), ("solved01", SOLUTION01)):
         paths[name] = folder / name / solution.name
         paths[name].parent.mkdir()
@@ -396,19 +430,22 @@ def graded(tmp_path_factory):
     return {g.student: g for g in grades}, folder, marker
 
 
-FORGERS = ["issue43", "rebind", "checkers", "gc", "builtins", "hook", "on_call", "liars", "exit", "rank_reply",
-           "files", "daemon", "snoop", "forkserver", "sandbox_reply", "sandbox_patch", "liar_number", "sandbox_exit",
-           "side_effect"]
+FORGERS = ["issue43", "exec", "json", "rebind", "checkers", "gc", "builtins", "hook", "on_call", "liars",
+           "quiz_liars", "exit", "rank_reply", "files", "daemon", "snoop", "forkserver", "sandbox_reply",
+           "sandbox_patch", "liar_number", "sandbox_exit", "side_effect"]
 
 
 @pytest.mark.timeout(900)
 @pytest.mark.parametrize("forger", FORGERS)
-def test_a_forger_scores_nothing_it_did_not_solve(graded, forger):
+def test_a_forger_scores_what_the_untouched_lab_scores(graded, forger):
     grades, _, _ = graded
     grade = grades[forger]
     lab = 1 if "01_" in grade.path else 0
+    untouched = grades[f"untouched0{lab}"]
+    assert untouched.error is None and untouched.points == 0 and untouched.max_points == grade.max_points > 0
     assert {e["id"] for e in grade.exercises} == set(exercises_of_lab(lab)), grade.exercises
-    assert grade.points == 0, [(e["id"], e["status"], e["detail"]) for e in grade.exercises if e["points"]]
+    assert grade.points == untouched.points, [
+        (e["id"], e["status"], e["detail"]) for e in grade.exercises if e["points"]]
     assert all(e["status"] in ("not attempted", "failed", "not run") for e in grade.exercises)
 
 
@@ -436,7 +473,8 @@ def test_the_issue_43_cell_changes_nothing(graded):
     """The issue's attempt (the kernel's ledger rewritten) against the untouched lab: 0/7, as without the cell."""
     grades, _, _ = graded
     assert grades["issue43"].max_points == 7 and grades["issue43"].points == 0
-    assert {e["status"] for e in grades["issue43"].exercises} == {"not attempted"}
+    statuses = {name: [(e["id"], e["status"]) for e in grades[name].exercises] for name in ("issue43", "untouched00")}
+    assert statuses["issue43"] == statuses["untouched00"] and {s for _, s in statuses["issue43"]} == {"not attempted"}
 
 
 @pytest.mark.timeout(900)
