@@ -1,5 +1,6 @@
 """The process-group grid and DP × PP × TP training on real gloo ranks, against one process."""
 
+import re
 import time
 
 import pytest
@@ -20,6 +21,7 @@ from distlab.parallel3d.grid import (
     parallel3d_worker,
 )
 from distlab.parallel3d.planner import Layout, ModelShape, bytes_per_axis
+from distlab.runtime import progress
 
 from processes import rank_processes
 
@@ -120,6 +122,20 @@ def test_3d_runs_equal_one_process_and_groups_match_device_mesh(ranks8):
         assert (sent["tp"], sent["pp"]) == (predicted["tp"], predicted["pp"]), (sent, predicted)
         # the planner splits every parameter over TP; LayerNorms, biases and pos_emb are replicated
         assert predicted["dp"] <= sent["dp"] <= 1.1 * predicted["dp"], (sent, predicted)
+
+
+def test_the_3d_steps_show_one_bar_for_the_job_where_a_person_watches_and_none_headless(ranks8, monkeypatch,
+                                                                                         capfd):
+    kw = dict(m=2, batch_size=8, steps=2)
+    ranks8.run(parallel3d_worker, args=(CFG, 2, 2, 2), kwargs=kw)
+    assert capfd.readouterr() == ("", "")  # pytest is headless, as nbval and CI
+    monkeypatch.setattr(progress, "audience", lambda: "terminal")
+    ranks8.run(parallel3d_worker, args=(CFG, 2, 2, 2), kwargs=kw)
+    drawn = capfd.readouterr().err.replace("\r", "\n")
+    assert re.search(r"3D steps: 100%\|.*\| 2/2 \[", drawn), drawn
+    assert "[rank" not in drawn  # the launcher's one bar, no rank's own
+    ranks8.run(parallel3d_worker, args=(CFG, 2, 2, 2), kwargs=dict(kw, progress=False))
+    assert "3D steps" not in capfd.readouterr().err
 
 
 def _summed(params, group, dp):

@@ -45,6 +45,7 @@ from distlab.pipeline_parallel.executor import Channels
 from distlab.pipeline_parallel.train import keep_freed_memory
 from distlab.reference import make_optimizer, train_reference
 from distlab.runtime import comm
+from distlab.runtime.progress import progress as progress_bar
 from distlab.runtime.rank import device
 from distlab.runtime.subgroups import own_subgroup, subgroup
 from distlab.tensor_parallel import TensorParallelGPT, check_tp_sizes, shard_of, vocab_parallel_cross_entropy
@@ -274,7 +275,7 @@ def check_3d_setup(cfg: GPTConfig, grid: Grid, m: int, batch_size: int, world: i
 def parallel3d_worker(cfg: GPTConfig, dp: int, pp: int, tp: int, m: int = 2, batch_size: int = 4, steps: int = 1,
                       optimizer: str = "sgd", lr: float = 0.1, seed: int = 0, data_seed: int = 0,
                       schedule: str = "1f1b", grad_sync: Callable | None = None, zero: int = 0,
-                      on_step: Callable | None = None) -> dict:
+                      on_step: Callable | None = None, progress: bool = True) -> dict:
     """Train ``GPT(cfg, seed)`` on a ``dp × pp × tp`` grid; report this rank.
 
     The composition, with no third implementation of anything: lab 05's
@@ -292,6 +293,8 @@ def parallel3d_worker(cfg: GPTConfig, dp: int, pp: int, tp: int, m: int = 2, bat
     ``zero=1``: lab 04's :class:`~distlab.zero.ShardedOptimizer` over the DP group instead (ZeRO-1:
     gradients reduce-scattered, each rank updating its shard of the optimizer state, weights all-gathered).
     ``on_step(step, loss, seconds)`` is called on every rank after every step (``loss`` None off the last stage).
+    ``progress``: a bar of the steps where a person watches, one for the job, drawn by the launcher
+    (:mod:`distlab.runtime.progress`); none under nbval or CI.
     """
     grid = Grid(dp, pp, tp)
     check_3d_setup(cfg, grid, m, batch_size, dist.get_world_size(), schedule, zero)
@@ -316,7 +319,7 @@ def parallel3d_worker(cfg: GPTConfig, dp: int, pp: int, tp: int, m: int = 2, bat
 
     out = {"rank": dist.get_rank(), "coords": groups.coords, "layers": list(layers), "losses": [], "bytes": [],
            "step_times": []}
-    for step in range(steps):
+    for step in progress_bar(range(steps), desc="3D steps", unit="step", disable=not progress):
         x, y = synthetic_batch(cfg, batch_size, step, seed=data_seed)
         micro = list(zip(x[d * rows:(d + 1) * rows].to(dev).chunk(m), y[d * rows:(d + 1) * rows].to(dev).chunk(m)))
         start = time.perf_counter()
@@ -416,7 +419,7 @@ def train(dp: int = 2, pp: int = 2, tp: int = 2, steps: int = 3, batch_size: int
 
     out = parallel3d_worker(cfg, grid.dp, grid.pp, grid.tp, m=int(microbatches), batch_size=int(batch_size),
                             steps=int(steps), lr=float(lr), seed=int(seed), zero=int(zero),
-                            on_step=on_step if report else None)
+                            on_step=on_step if report else None, progress=report is None)
     node = int(os.environ.get("GROUP_RANK", 0))  # torchrun's node index; one node under distlab.launch
     result = {"rank": out["rank"], "coords": out["coords"], "node": node, "losses": out["losses"],
               "bytes": out["bytes"]}
