@@ -11,8 +11,9 @@ endless loop in a cell (only the per-notebook time limit ends it).
 It first measures where a notebook's time goes, grading the blank lab alone with a fresh kernel and
 with a kernel forked from the warm factory (kernel start, the imports of the first cell, the first
 launch that starts the forkserver and the ranks), then grades the class with ``distlab grade`` as an
-instructor would (warm kernels, as many notebooks at once as cores allow) and checks that every
-notebook got the result its kind should get. Results: ``benchmarks/results/grading.json`` and ``.txt``.
+instructor would (warm kernels, as many notebooks at once as cores allow, each exercise graded apart
+from the kernel in a process of its own: ``grading/isolation.py``) and checks that every notebook got
+the result its kind should get. Results: ``benchmarks/results/grading.json`` and ``.txt``.
 
     python benchmarks/bench_grading.py                # ~10 minutes on 2 cores
     python benchmarks/bench_grading.py --lab 03       # the target: 30 lab-03 notebooks in 15 minutes on 2 cores
@@ -166,6 +167,10 @@ def main(argv=None) -> int:
                f"limit {timeout} s each, {jobs} at a time on {cpus} cores: graded in {wall:.0f} s "
                f"({wall / 60:.1f} min), {report['notebooks_passed']} passed, exit status {run.returncode}")
     out.append("median seconds per notebook: " + ", ".join(f"{k} {v:.0f}" for k, v in per_kind.items()))
+    apart = {kind: statistics.median(n["graded_seconds"] for n in report["notebooks"] if kinds[n["student"]] == kind)
+             for kind in mix}
+    out.append("of which grading its exercises apart from the kernel (median): "
+               + ", ".join(f"{k} {v:.0f}" for k, v in apart.items()))
     out.append("every notebook got the result of its kind" if not wrong else f"UNEXPECTED results: {wrong}")
     skipped = statistics.median(n["skipped_cells"] for n in report["notebooks"])
     out.append(f"cells no check needs, left out per notebook (median): {skipped:.0f}")
@@ -176,7 +181,7 @@ def main(argv=None) -> int:
     print("\n".join(out[2:]))
     if not args.quick:
         data = {"where_the_time_goes": where, "class_wall_s": wall, "notebooks": len(paths), "mix": mix,
-                "timeout_s": timeout, "jobs": jobs, "median_s_by_kind": per_kind,
+                "timeout_s": timeout, "jobs": jobs, "median_s_by_kind": per_kind, "median_apart_s_by_kind": apart,
                 "passed": report["notebooks_passed"], "exit_status": run.returncode, "all_as_expected": not wrong}
         data["ran_on"] = f"{len(os.sched_getaffinity(0))} CPU cores (CPU kernels and gloo ranks)"
         data.update(lab=lab, load_average_at_start=load_before,

@@ -18,6 +18,7 @@ from distlab import mutants
 from distlab.grading.classroom import (
     DEFAULT_THRESHOLD,
     DEFAULT_TIMEOUT,
+    InstallationChanged,
     NotebookGrade,
     class_report,
     format_report,
@@ -146,9 +147,14 @@ def _grade(args) -> int:
     jobs = args.jobs or None
     print(f"grading {len(todo)} notebook(s){f' ({len(kept)} unchanged since the last report)' if kept else ''}, "
           f"{jobs or 'auto'} at a time, at most {args.timeout:g} s each …", file=sys.stderr, flush=True)
-    grades = grade_notebooks([p for p, _ in todo], timeout=args.timeout, jobs=jobs, warm=not args.cold,
-                             progress=progress, students=[s for _, s in todo], all_cells=args.all_cells,
-                             secret=secret, seed=seed) if todo else []
+    try:
+        grades = grade_notebooks([p for p, _ in todo], timeout=args.timeout, jobs=jobs, warm=not args.cold,
+                                 progress=progress, students=[s for _, s in todo], all_cells=args.all_cells,
+                                 secret=secret, seed=seed) if todo else []
+    except InstallationChanged as error:  # nothing is written: no grade of this run can be trusted
+        print(f"distlab grade: {error}; reinstall (make install) and grade in a container or as a user of its "
+              "own (course/instructor_guide.md)", file=sys.stderr)
+        return 2
     for grade in grades + kept:
         if deadline is not None:
             grade.submitted = times[grade.student].isoformat()
@@ -294,7 +300,8 @@ def parser() -> argparse.ArgumentParser:
                        help="start every kernel from scratch instead of forking warm ones")
     grade.add_argument("--secret-file", metavar="FILE",
                        help="the course secret the notebooks were released with (distlab release): each student's "
-                            "quiz numbers are derived from it and their name, and their answers marked here")
+                            "quiz numbers are derived from it and their name, and their answers marked here "
+                            "(/dev/stdin reads it from standard input, so it is no file the notebooks could read)")
     grade.add_argument("--seed", type=int, metavar="N",
                        help="seed of the checks' hidden cases (default: a fresh one per run, printed and saved in "
                             "the report; pass it to regrade on the same cases)")

@@ -82,8 +82,9 @@ def _notebook(cells):
 
 @pytest.mark.timeout(300)
 def test_printed_or_written_results_and_rebound_checks_score_nothing(tmp_path):
-    """Results reach the grader only as the answer to its own request: a notebook that prints a ✓ line, writes a
-    report file of its own or rebinds distlab.check gets no points for it; an honest check beside them counts."""
+    """Results come only from the grader's own processes: a notebook that prints a ✓ line, writes a report file of
+    its own or rebinds distlab.check gets no points for it; an honest answer beside them counts. (Every other way to
+    try: tests/grading/test_forgery.py.)"""
     fake = json.dumps({"id": "Q0.2", "title": "x", "status": "passed", "points": 1, "max_points": 1, "detail": ""})
     printing = tmp_path / "00_printing.ipynb"
     nbformat.write(_notebook([f"print('✓ Question Q0.2 forged: 1/1 points')\nprint({fake!r})",
@@ -97,7 +98,8 @@ def test_printed_or_written_results_and_rebound_checks_score_nothing(tmp_path):
     grades = grade_notebooks([printing, rebinding, honest], timeout=120, jobs=2)
     assert grades[0].points == 0 and grades[0].error is None
     assert {e["status"] for e in grades[0].exercises} == {"not run"}
-    assert grades[1].points == 0 and "changes distlab's grading ('distlab.check =')" in grades[1].error
+    statuses = {e["id"]: e["status"] for e in grades[1].exercises}
+    assert grades[1].points == 0 and statuses["Q0.2"] == "failed" and statuses["0.1"] == "not run"
     statuses = {e["id"]: e["status"] for e in grades[2].exercises}
     assert grades[2].points == 1 and statuses["Q0.2"] == "passed" and statuses["Q0.3"] == "failed"
 

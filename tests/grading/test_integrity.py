@@ -1,6 +1,8 @@
 """A submission that hands in, or calls, the library's own answer to its exercise scores 0 and is told why; the
 student's own code, even under the reference's name, is not flagged."""
 
+from pathlib import Path
+
 import pytest
 
 import distlab
@@ -129,3 +131,68 @@ def test_every_exercises_references_name_library_objects():
             module, _, name = dotted.rpartition(".")
             answer = getattr(importlib.import_module(module), name, None)
             assert answer is not None and answer.__module__.startswith("distlab."), (exercise_id, dotted)
+
+
+def test_a_submission_held_apart_is_asked_where_its_code_lives():
+    """Under ``distlab grade`` the checker holds stand-ins (grading/isolation.py): the question goes to the sandbox
+    that executed the student's statements, and only its answer comes back."""
+    from distlab.grading.definitions import Definitions
+    from distlab.grading.isolation import Sandbox, SealedCode
+
+    source = ("from distlab.collectives import ring_all_reduce\n\n"
+              "def through_a_global(tensor):\n    return ring_all_reduce(tensor)\n\n"
+              "def my_own(tensor):\n    return tensor * 2\n")
+    sandbox = Sandbox(Definitions(((3, source, (1, 3, 6)),)))
+    try:
+        assert reference_use((SealedCode(sandbox, "through_a_global"),), REFERENCES) == (
+            "through_a_global calls distlab.collectives.ring_all_reduce, the library's own answer")
+        assert reference_use((SealedCode(sandbox, "my_own"),), REFERENCES) is None
+    finally:
+        sandbox.close()
+
+
+# ---------------------------------------------------------------- the installation the grader imports from
+
+
+def test_the_grader_watches_distlabs_own_files_and_every_folder_it_imports_from():
+    from distlab.grading import classroom
+    from distlab.runtime.confine import InstallationWatch, available, import_path
+
+    if not available():
+        pytest.skip("inotify is Linux's")
+    watch = InstallationWatch(roots=(str(classroom._PACKAGE),))
+    try:
+        watched = set(watch._paths.values())
+        assert str(classroom._PACKAGE / "grading") in watched
+        assert {p for p in import_path() if "site-packages" in p} <= watched
+    finally:
+        watch.close()
+
+
+def test_a_changed_module_is_seen_and_a_module_python_compiled_itself_is_not(tmp_path):
+    """A ``.pyc`` is what Python runs in place of its source: one that is the source compiled (Python caching it)
+    is no change; one with other code is."""
+    import importlib.util
+    import py_compile
+
+    from distlab.runtime.confine import InstallationWatch, available
+
+    if not available():
+        pytest.skip("inotify is Linux's")
+    installed, elsewhere = tmp_path / "installed", tmp_path / "elsewhere"
+    installed.mkdir()
+    elsewhere.mkdir()
+    (installed / "checker.py").write_text("def check():\n    return 'as shipped'\n")
+    (elsewhere / "checker.py").write_text("def check():\n    return 'passed'\n")
+    watch = InstallationWatch(roots=(str(installed),))
+    try:
+        cached = Path(py_compile.compile(str(installed / "checker.py"), doraise=True))  # what an import writes
+        assert cached == Path(importlib.util.cache_from_source(str(installed / "checker.py")))
+        assert watch.changes() == []
+        (installed / "helper.py").write_text("x = 1\n")
+        assert watch.changes() == [f"{installed / 'helper.py'} (created, written)"]
+        forged = Path(py_compile.compile(str(elsewhere / "checker.py"), doraise=True)).read_bytes()
+        cached.write_bytes(cached.read_bytes()[:16] + forged[16:])  # the source's size and time: Python loads it
+        assert watch.changes() == [f"{cached} (written)"]
+    finally:
+        watch.close()

@@ -115,8 +115,9 @@ RESUME_MISTAKES = [
 
 @pytest.mark.parametrize("name,loop,where,message", RESUME_MISTAKES, ids=[m[0] for m in RESUME_MISTAKES])
 def test_resumable_training_mistakes_are_named(name, loop, where, message):
+    case = _resume_case(where)
     with pytest.raises(CheckFailed, match=message):
-        lab12._resume_case(loop, _resume_case(where))
+        lab12._resume_case(loop, case, lab12._uninterrupted(case))
 
 
 # ---------------------------------------------------------------- 12.2: replica hashes

@@ -3,17 +3,19 @@
 A notebook calls ``distlab.check("2.1", my_ring_all_reduce)``. The checker for
 that id (found by :mod:`distlab.grading.registry` in its lab's module) runs the
 student's code on hidden, randomised cases against a reference and either returns
-a short detail string (pass) or raises :class:`CheckFailed` saying what differs.
-The result is printed as one line and kept in this kernel's ledger, which
-``distlab grade`` asks for in its own request after the notebook's last cell
-(:func:`ledger`): what a notebook prints or writes to a file is never read as a
-result. What a check raises and returns, and how a result reads, is the ground
-floor every part of grading stands on: :mod:`distlab.grading.contract`.
+a short detail string (pass) or raises :class:`CheckFailed` saying what differs
+(:func:`outcome`). The result is printed as one line and kept in this kernel's ledger,
+which ``needs`` reads and the student sees; ``distlab grade`` never reads it: it grades
+each exercise again in a process of its own, where the student's top-level code never
+ran (:mod:`distlab.grading.isolation`), and in the kernels it runs a check only says so
+(:data:`DEFERRED_VARIABLE`). What a check raises and returns, and how a result reads, is
+the ground floor every part of grading stands on: :mod:`distlab.grading.contract`.
 """
 
 from __future__ import annotations
 
 import json
+import os
 from contextlib import contextmanager
 from dataclasses import asdict
 
@@ -28,15 +30,19 @@ from distlab.grading.integrity import reference_use
 from distlab.grading.quiz import answer_given
 from distlab.grading.registry import Exercise, find_exercise
 
-# Each exercise's latest check in this kernel, by id. The grader reads it through its own request (``ledger``);
-# ``needs`` reads the status to tell a demo that fails because the student's exercise is wrong (a line, the
-# notebook runs on) from a bug (a traceback).
+# Each exercise's latest check in this kernel, by id: ``needs`` reads the status to tell a demo that fails because the
+# student's exercise is wrong (a line, the notebook runs on) from a bug (a traceback). ``distlab grade`` never reads it.
 _ledger: dict[str, CheckResult] = {}
 
+# Set in the kernels ``distlab grade`` runs a notebook in: a check there only says that the grader checks it apart
+# (its result would count for nothing, and the grader's seed of hidden cases stays out of the student's process).
+DEFERRED_VARIABLE = "DISTLAB_CHECKS_DEFERRED"
 
-def check(exercise_id: str, *student_code, quiet: bool = False) -> CheckResult:
-    """Grade one exercise: run its checker on the student's code and print one line."""
-    exercise: Exercise = find_exercise(exercise_id)
+
+def outcome(exercise: Exercise, *student_code) -> CheckResult:
+    """Run ``exercise``'s checker on the student's code: the result, whatever the code does (it never raises but
+    for an interrupt). Where it runs is the caller's: this kernel (:func:`check`), or a grading process that holds
+    the student's code at arm's length (:mod:`distlab.grading.isolation`)."""
     try:
         if passed_through := reference_use(student_code, exercise.references):
             raise CheckFailed(f"{passed_through}: write your own (a submission that uses it scores 0)")
@@ -51,9 +57,19 @@ def check(exercise_id: str, *student_code, quiet: bool = False) -> CheckResult:
             status, points, detail = "not attempted", 0, ""
         else:
             status, points, detail = "failed", 0, f"raised {describe_error(error)}"
-    result = CheckResult(exercise.id, exercise.asked, status, points, exercise.points, detail, exercise.label,
-                         answer_given(exercise, student_code))
-    _ledger[exercise.id] = result
+    return CheckResult(exercise.id, exercise.asked, status, points, exercise.points, detail, exercise.label,
+                       answer_given(exercise, student_code))
+
+
+def check(exercise_id: str, *student_code, quiet: bool = False) -> CheckResult:
+    """Grade one exercise: run its checker on the student's code and print one line."""
+    exercise: Exercise = find_exercise(exercise_id)
+    if os.environ.get(DEFERRED_VARIABLE):
+        result = CheckResult(exercise.id, exercise.asked, "not run", 0, exercise.points,
+                             "distlab grade checks it apart from this kernel", exercise.label)
+    else:
+        result = outcome(exercise, *student_code)
+        _ledger[exercise.id] = result
     if not quiet:
         print(result.line())
     return result
@@ -94,9 +110,11 @@ def needs(*exercise_ids: str):
 
 
 def ledger() -> str:
-    """This kernel's check results as JSON, the latest per exercise: what ``distlab grade`` totals."""
+    """This kernel's check results as JSON, the latest per exercise (the student's own record; the grader grades
+    apart)."""
     return json.dumps([asdict(result) for result in _ledger.values()])
 
 
-__all__ = ["CheckFailed", "CheckResult", "check", "needs", "describe_error", "is_not_attempted", "ledger",
+__all__ = ["CheckFailed", "CheckResult", "check", "outcome", "needs", "DEFERRED_VARIABLE", "describe_error",
+           "is_not_attempted", "ledger",
            "STUB_MESSAGE"]

@@ -1,26 +1,38 @@
-"""Grading a class: run every student's notebook headless, total its checks, report per student and exercise.
+"""Grading a class: run every student's notebook headless, grade its exercises apart, report per student and exercise.
 
-Each notebook runs top to bottom in its own kernel; then the grader asks that kernel, in a request of its own,
-for the results its ``distlab.check`` calls kept (:func:`distlab.grading.ledger`; after a time limit, once the
-kernel is interrupted), so nothing the notebook prints or writes counts as a result. A notebook that rebinds
-distlab's grading functions scores nothing. Exercises of the notebook's lab that no check reported score 0 as
-"not run". Kernels are forked warm from one
-:class:`~distlab.runtime.kernels.KernelFactory` that imported every lab's checkers once, and several
-notebooks run at once where cores allow. :func:`class_report` and :func:`format_report` turn the
-grades into the JSON and the text ``distlab grade`` prints.
+Grades come only from processes the students' code cannot reach. In order:
+
+1. **Run.** Every notebook (read once, before any runs, so none can change another) is copied into a private
+   folder and run top to bottom in its own kernel, forked warm from a :class:`~distlab.runtime.kernels.KernelFactory`,
+   with an environment that holds no secret (:func:`~distlab.runtime.confine.clean_environment`); several at once
+   where cores allow. A ``distlab.check`` there only says that the grader checks it apart. What the run gives the
+   grade: which cells ran, the cells that raised, and, asked of the kernel after the last cell, each quiz answer
+   as plain text (a number typed by the student is their answer whatever route it takes).
+2. **Clear.** Every process the notebooks left is ended (the grader adopts orphans: ``setsid`` and double forks
+   included), and the files Python imports from must be as they were
+   (:class:`~distlab.runtime.confine.InstallationWatch`): a notebook that edited an installed module (a checker)
+   or dropped a ``.pth`` file stops the grading.
+3. **Grade.** Each exercise whose check line ran is graded in a process of its own forked from a factory that
+   never ran a student's code, on the statements its check line needs (:mod:`distlab.grading.definitions`), the
+   student's code at arm's length in a sandbox and on ranks (:mod:`distlab.grading.isolation`). Quiz answers are
+   marked here, in the grader's process, varied ones against the student's own numbers
+   (:func:`~distlab.grading.quiz.remark`). Exercises of the lab with no check line that ran score 0 as "not run".
+4. **Report.** :func:`class_report` and :func:`format_report` turn the grades into the JSON and the text
+   ``distlab grade`` prints; the exports (:mod:`distlab.grading.submissions`) are written from them, by the
+   grader, after every student's process has ended.
 """
 
 from __future__ import annotations
 
 import ast
 import asyncio
-import json
 import os
-import re
 import shutil
 import sys
 import tempfile
+import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from queue import Empty
@@ -29,25 +41,29 @@ import nbformat
 from nbclient.exceptions import CellTimeoutError, DeadKernelError
 from nbclient.util import ensure_async
 
+from distlab.grading import DEFERRED_VARIABLE, outcome
 from distlab.grading.cells import cells_to_skip
 from distlab.grading.contract import MARKS, first_line
-from distlab.grading.harness import GRADE_SEED_VARIABLE
+from distlab.grading.definitions import check_lines, quiz_expressions
+from distlab.grading.isolation import ExerciseGraders
 from distlab.grading.quiz import remark
 from distlab.grading.registry import all_exercises, exercises_of_lab, lab_modules, lab_number, sort_key
 from distlab.grading.submissions import content_hash, student_names
+from distlab.runtime import confine
 from distlab.runtime.kernels import KernelFactory, kernel_manager_class, notebook_client
 
 __all__ = ["DEFAULT_THRESHOLD", "DEFAULT_TIMEOUT", "NotebookGrade", "default_jobs", "grade_notebooks", "grade_notebook",
-           "class_report", "format_report"]
+           "class_report", "format_report", "InstallationChanged"]
+
+InstallationChanged = confine.InstallationChanged
+# distlab's own files, watched too: an editable install lies outside the folders on sys.path
+_PACKAGE = Path(__file__).resolve().parents[1]
 
 DEFAULT_THRESHOLD = 1.0  # a notebook passes with every point: a lab is done when every check is ✓
 DEFAULT_TIMEOUT = 600.0  # seconds per notebook
-LEDGER_WAIT = 30.0  # seconds the kernel gets to answer the grader's request (after an interrupt, if it timed out)
-# What the grader evaluates in the student's kernel after the last cell, as a user expression of its own request.
-LEDGER_EXPRESSION = "__import__('distlab.grading', fromlist=['ledger']).ledger()"
-# Code that rebinds distlab's checking (``distlab.check = ...``, ``grading._ledger[...] = ...``, setattr on it).
-TAMPERING = re.compile(r"\bdistlab\.(?:grading\.)?\w+(?:\[[^]\n]*\])?\s*=(?!=)|\b_ledger\b|"
-                       r"setattr\(\s*distlab\b|\bgrading\.\w+\s*=(?!=)")
+ANSWER_WAIT = 30.0  # seconds the kernel gets to answer the grader's request for the quiz answers
+EXERCISE_TIMEOUT = 300.0  # seconds an exercise's grading process may take at least (--timeout when that is more)
+_ANSWER_LIMIT = 10_000  # characters of a quiz answer's text the grader reads
 
 
 @dataclass
@@ -57,7 +73,7 @@ class NotebookGrade:
     exercises: list[dict] = field(default_factory=list)
     error: str | None = None  # execution stopped early: a time limit, a dead kernel
     cell_errors: list[dict] = field(default_factory=list)  # cells that raised: cell, ename, message
-    seconds: float = 0.0
+    seconds: float = 0.0  # running the notebook and grading its exercises
     startup: float = 0.0  # seconds before the first cell ran: kernel start and connection
     slowest_cells: list[list] = field(default_factory=list)  # [cell index, seconds], the three slowest
     sha256: str = ""  # the notebook's content when graded: ``--changed`` regrades only what differs
@@ -66,6 +82,7 @@ class NotebookGrade:
     reused: bool = False  # taken from the previous report (``--changed``): same student, same content
     skipped_cells: int = 0  # demo and benchmark cells no check needs, left out (:mod:`distlab.grading.cells`)
     seed: int | None = None  # the seed of the hidden cases it was graded on (``distlab grade --seed`` replays it)
+    graded_seconds: float = 0.0  # of ``seconds``, grading the exercises apart
 
     @property
     def points(self) -> int:
@@ -84,33 +101,59 @@ class NotebookGrade:
         return lab_number(Path(self.path))
 
 
+@dataclass
+class _Run:
+    """What running one notebook gave the grader: the notebook as read, the cells that ran, its quiz answers."""
+
+    path: Path
+    grade: NotebookGrade
+    notebook: nbformat.NotebookNode | None = None
+    ran: set = field(default_factory=set)
+    answers: dict = field(default_factory=dict)  # question id -> ("ok", text) | (error name, message)
+
+
 def default_jobs(notebooks: int) -> int:
     """Notebooks graded at once: one per two cores (a lab's ranks keep about two busy), at least one."""
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     return max(1, min(notebooks, cores // 2))
 
 
-async def _ask_ledger(kc, wait: float) -> list[dict] | None:
-    """The kernel's check results, from the reply to the grader's own execute request (None: no reply)."""
-    msg_id = await ensure_async(kc.execute("", silent=True, store_history=False,
-                                           user_expressions={"ledger": LEDGER_EXPRESSION}))
+# ---------------------------------------------------------------- 1. run each notebook
+
+async def _ask_answers(kc, expressions: dict[str, str], wait: float) -> dict | None:
+    """The quiz answers, as the kernel's plain text of each expression (the grader's own execute request after the
+    last cell), or None when the kernel did not answer."""
+    if not expressions:
+        return {}
+    plain = "__import__('distlab.runtime.payload', fromlist=['plain']).plain"
+    asked = {question: f"repr({plain}({expression}))" for question, expression in expressions.items()}
+    msg_id = await ensure_async(kc.execute("", silent=True, store_history=False, user_expressions=asked))
     deadline = time.monotonic() + wait
     while time.monotonic() < deadline:
         try:
             msg = await ensure_async(kc.shell_channel.get_msg(timeout=1))
         except Empty:
             continue
-        if msg["parent_header"].get("msg_id") == msg_id:
-            value = msg["content"].get("user_expressions", {}).get("ledger", {})
-            return json.loads(ast.literal_eval(value["data"]["text/plain"])) if value.get("status") == "ok" else []
+        if msg["parent_header"].get("msg_id") != msg_id:
+            continue
+        found = {}
+        for question, value in (msg["content"].get("user_expressions") or {}).items():
+            if not isinstance(value, dict) or question not in asked:
+                continue
+            if value.get("status") == "ok":
+                found[question] = ("ok", str(value.get("data", {}).get("text/plain", ""))[:_ANSWER_LIMIT])
+            else:
+                found[question] = (str(value.get("ename", "error")), first_line(str(value.get("evalue", ""))))
+        return found
     return None
 
 
-async def _run_then_ask(client, env: dict, skip: set[int]) -> tuple[list[dict] | None, CellTimeoutError | None]:
-    """Run every cell but ``skip`` as nbclient's ``async_execute`` does, then, in the same kernel, ask for the ledger.
+async def _run_then_ask(client, env: dict, skip: set[int], expressions) -> tuple[dict | None, CellTimeoutError | None]:
+    """Run every cell but ``skip`` as nbclient's ``async_execute`` does, then, in the same kernel, ask for the quiz
+    answers (:func:`_ask_answers`; ``expressions`` maps each question to what to ask, given the cells that ran).
 
     A cell past its time limit interrupts the kernel (a loop or a launch ends with KeyboardInterrupt) and the
-    ledger is asked for all the same, so the checks that ran before it still count."""
+    answers are asked for all the same."""
     stopped = None
     async with client.async_setup_kernel(env=env):
         info = await client.async_wait_for_reply(await ensure_async(client.kc.kernel_info()))
@@ -123,140 +166,263 @@ async def _run_then_ask(client, env: dict, skip: set[int]) -> tuple[list[dict] |
         except CellTimeoutError as error:
             stopped = error
             await ensure_async(client.km.interrupt_kernel())
-        results = await _ask_ledger(client.kc, LEDGER_WAIT)
-    return results, stopped
+        answers = await _ask_answers(client.kc, expressions(), ANSWER_WAIT)
+    return answers, stopped
 
 
-def _tampering(notebook: nbformat.NotebookNode) -> str | None:
-    """Why this notebook's results cannot be trusted (a cell rebinds distlab's grading), or None."""
-    for index, cell in enumerate(notebook.cells):
-        if cell.cell_type == "code" and (found := TAMPERING.search(cell.source)):
-            return f"cell {index} changes distlab's grading ({found.group(0).strip()!r}): its checks score nothing"
-    return None
-
-
-async def _grade_one(path: Path, student: str, manager_class, timeout: float, cell_timeout: float | None,
-                     expected: dict, all_cells: bool, secret: bytes | None = None,
-                     seed: int | None = None) -> NotebookGrade:
-    grade = NotebookGrade(str(path), student, sha256=content_hash(path) if path.is_file() else "", seed=seed)
+async def _run_one(run: _Run, manager_class, timeout: float, cell_timeout: float | None, all_cells: bool,
+                   folder: Path, questions: list[str]) -> None:
+    """Run ``run``'s notebook in ``folder`` (a private copy), recording what ran, what raised and its answers."""
+    grade, notebook = run.grade, run.notebook
     started = time.monotonic()
     deadline = started + timeout
     running: dict = {"cell": None, "started": {}, "seconds": {}}
-    reported: dict[str, dict] = {}
+    folder.mkdir(parents=True)
+    copy = folder / run.path.name
+    nbformat.write(notebook, copy)
+    client = notebook_client(notebook, copy, manager_class, True,
+                             lambda cell: max(1.0, min(cell_timeout or timeout, deadline - time.monotonic())))
+
+    def cell_start(cell, cell_index):
+        running["cell"] = cell_index
+        running["started"][cell_index] = time.monotonic()
+
+    def cell_executed(cell, cell_index, execute_reply):
+        running["seconds"][cell_index] = time.monotonic() - running["started"][cell_index]
+
+    client.on_cell_start, client.on_cell_executed = cell_start, cell_executed
     try:
-        notebook = nbformat.read(path, as_version=4)
-    except Exception as error:  # noqa: BLE001  not a notebook: a result, not a crash of the grader
-        notebook = None
-        grade.error = f"not a readable notebook: {first_line(error) or type(error).__name__}"
-    if notebook is not None and (why := _tampering(notebook)):
-        notebook, grade.error = None, why
-    if notebook is not None:
-        client = notebook_client(notebook, path, manager_class, True,
-                                 lambda cell: max(1.0, min(cell_timeout or timeout, deadline - time.monotonic())))
-
-        def cell_start(cell, cell_index):
-            running["cell"] = cell_index
-            running["started"][cell_index] = time.monotonic()
-
-        def cell_executed(cell, cell_index, execute_reply):
-            running["seconds"][cell_index] = time.monotonic() - running["started"][cell_index]
-
-        client.on_cell_start, client.on_cell_executed = cell_start, cell_executed
-        try:
-            skip = set() if all_cells else cells_to_skip(notebook)
-            grade.skipped_cells = len(skip)
-            env = dict(os.environ) if seed is None else {**os.environ, GRADE_SEED_VARIABLE: str(seed)}
-            results, stopped = await _run_then_ask(client, env, skip)
-            reported = {r["id"]: r for r in results or []}
-            if stopped is not None:
-                over = "its time limit" if time.monotonic() >= deadline - 1 else "the cell time limit"
-                grade.error = f"stopped after {timeout if over == 'its time limit' else cell_timeout:g} s " \
-                              f"({over}) while cell {running['cell']} was running"
-            elif results is None:
-                grade.error = f"the kernel did not answer the grader within {LEDGER_WAIT:g} s after the last cell"
-        except DeadKernelError:
-            grade.error = f"the kernel died while cell {running['cell']} was running"
-        except Exception as error:  # noqa: BLE001  a kernel that never started, a broken notebook
-            grade.error = f"{type(error).__name__}: {first_line(error)}"
-        grade.cell_errors = [
-            {"cell": index, "ename": output.get("ename", ""), "message": first_line(output.get("evalue", ""))}
-            for index, cell in enumerate(notebook.cells) if cell.cell_type == "code"
-            for output in cell.get("outputs", []) if output.get("output_type") == "error"]
-    for exercise_id in sorted(set(expected) | set(reported), key=sort_key):
-        if exercise_id in reported:
-            grade.exercises.append(reported[exercise_id])
-        else:
-            e = expected[exercise_id]
-            grade.exercises.append({"id": e.id, "title": e.title, "status": "not run", "points": 0,
-                                    "max_points": e.points, "detail": "its check cell never ran",
-                                    "label": e.label})
-    if secret is not None:  # varied quiz questions: marked here, against the student's numbers
-        grade.exercises = [remark(entry, student, secret) for entry in grade.exercises]
+        skip = set() if all_cells else cells_to_skip(notebook)
+        grade.skipped_cells = len(skip)
+        env = confine.clean_environment(folder, **{DEFERRED_VARIABLE: "1"})
+        answers, stopped = await _run_then_ask(
+            client, env, skip, lambda: quiz_expressions(notebook, set(running["seconds"]), questions))
+        run.answers = answers or {}
+        if stopped is not None:
+            over = "its time limit" if time.monotonic() >= deadline - 1 else "the cell time limit"
+            grade.error = f"stopped after {timeout if over == 'its time limit' else cell_timeout:g} s " \
+                          f"({over}) while cell {running['cell']} was running"
+        elif answers is None:
+            grade.error = f"the kernel did not answer the grader within {ANSWER_WAIT:g} s after the last cell"
+    except DeadKernelError:
+        grade.error = f"the kernel died while cell {running['cell']} was running"
+    except Exception as error:  # noqa: BLE001  a kernel that never started, a broken notebook
+        grade.error = f"{type(error).__name__}: {first_line(error)}"
+    # A cell counts as run once the kernel replied for it (a cell that raised included): not the one a time limit
+    # or a dead kernel stopped, whose check line may never have been reached.
+    run.ran = set(running["seconds"])
+    grade.cell_errors = [
+        {"cell": index, "ename": output.get("ename", ""), "message": first_line(output.get("evalue", ""))}
+        for index, cell in enumerate(notebook.cells) if cell.cell_type == "code"
+        for output in cell.get("outputs", []) if output.get("output_type") == "error"]
     grade.seconds = time.monotonic() - started
     if running["started"]:
         grade.startup = min(running["started"].values()) - started
     slowest = sorted(running["seconds"].items(), key=lambda item: -item[1])[:3]
     grade.slowest_cells = [[index, round(seconds, 2)] for index, seconds in slowest]
-    return grade
 
+
+def _read(path: Path, student: str, seed: int | None) -> _Run:
+    grade = NotebookGrade(str(path), student, seed=seed)
+    try:
+        data = path.read_bytes()
+        grade.sha256 = content_hash(path)
+        notebook = nbformat.reads(data.decode("utf-8"), as_version=4)
+    except Exception as error:  # noqa: BLE001  not a notebook: a result, not a crash of the grader
+        notebook = None
+        grade.error = f"not a readable notebook: {first_line(error) or type(error).__name__}"
+    return _Run(path, grade, notebook)
+
+
+# ---------------------------------------------------------------- 3. grade each exercise apart
+
+def _not_run(exercise, detail: str) -> dict:
+    return {"id": exercise.id, "title": exercise.title, "status": "not run", "points": 0,
+            "max_points": exercise.points, "detail": detail, "label": exercise.label}
+
+
+def _quiz_result(exercise, answer) -> dict:
+    """A question marked here, in the grader's own process, on the answer's plain text from the kernel."""
+    if answer is None:
+        return _not_run(exercise, "its cell never ran")
+    kind, text = answer
+    if kind == "NameError":
+        return _not_run(exercise, "its cell never ran")
+    if kind != "ok":
+        return {**_not_run(exercise, ""), "status": "failed", "detail": f"its answer could not be read ({kind}: "
+                                                                          f"{text})"}
+    value = _answer_value(text)
+    return asdict(outcome(exercise, value))
+
+
+def _answer_value(text: str):
+    """The value of a quiz answer from the kernel's text: the ``repr`` of the answer, itself shown as a ``repr``.
+    Literals only (never evaluated): a number, a string, ``None``, ``...``, ``inf``/``nan``; else the text itself."""
+    try:
+        inner = ast.literal_eval(text)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return text
+    if not isinstance(inner, str):
+        return inner
+    special = {"Ellipsis": ..., "inf": float("inf"), "-inf": float("-inf"), "nan": float("nan")}
+    if inner in special:
+        return special[inner]
+    try:
+        return ast.literal_eval(inner)
+    except (ValueError, SyntaxError, TypeError, MemoryError, RecursionError):
+        return inner
+
+
+def _grade_exercises(run: _Run, graders: ExerciseGraders, seed: int | None, secret: bytes | None,
+                     timeout: float, watch: confine.InstallationWatch) -> None:
+    grade, notebook = run.grade, run.notebook
+    started = time.monotonic()
+    number = lab_number(run.path)
+    expected = exercises_of_lab(number) if number is not None else {}
+    lines = check_lines(notebook, run.ran) if notebook is not None else {}
+    known = all_exercises() if any(i not in expected for i in lines) else expected
+    ids = sorted(set(expected) | {i for i in lines if i in known}, key=sort_key)
+    for exercise_id in ids:
+        exercise = known[exercise_id]
+        line = lines.get(exercise_id)
+        if exercise.is_quiz:
+            entry = _quiz_result(exercise, run.answers.get(exercise_id)) if notebook is not None and (
+                run.ran) else _not_run(exercise, "its cell never ran")
+        elif line is None:
+            entry = _not_run(exercise, "its check cell never ran")
+        else:
+            request = {"exercise": exercise_id, "seed": seed, "expressions": list(line.expressions),
+                       "definitions": line.definitions.to_json()}
+            entry = graders.grade(request, timeout) or {
+                **_not_run(exercise, ""), "status": "failed",
+                "detail": f"its grading did not finish within {timeout:g} s (or ended without a result)"}
+            changed = watch.changes()
+            if changed:
+                raise InstallationChanged(f"while {grade.student}'s exercise {exercise_id} was graded, files Python "
+                                          f"imports from changed: {'; '.join(changed[:3])}: no grade of this run "
+                                          "counts")
+        grade.exercises.append(entry)
+    if secret is not None:  # varied quiz questions: marked here, against the student's numbers
+        grade.exercises = [remark(entry, grade.student, secret) for entry in grade.exercises]
+    grade.graded_seconds = time.monotonic() - started
+    grade.seconds += grade.graded_seconds
+
+
+# ---------------------------------------------------------------- the class, start to end
 
 def grade_notebooks(paths, timeout: float = DEFAULT_TIMEOUT, jobs: int | None = None, warm: bool = True,
                     cell_timeout: float | None = None, progress=None,
                     students: list[str] | None = None, all_cells: bool = False, secret: bytes | None = None,
                     seed: int | None = None) -> list[NotebookGrade]:
-    """Execute each notebook headless (``jobs`` at a time, each within ``timeout`` seconds) and total its checks.
+    """Run each notebook headless (``jobs`` at a time, each within ``timeout`` seconds), then grade its exercises
+    apart (the module's docstring); the grades in the order of ``paths``.
 
     ``seed`` (the grader's, fresh per grading run) draws every check's hidden cases; without it they are the
     fixed self-study ones. With the course ``secret`` each varied quiz question is marked against the student's
     own numbers (:func:`~distlab.grading.quiz.remark`), whatever the notebook asked.
 
     ``warm`` forks every kernel from one :class:`KernelFactory` (Linux); ``progress(done, total, grade)``
-    is called as each notebook finishes. Exercises of the notebook's lab that no check reported (a
-    deleted check cell, a notebook stopped early) score 0 as "not run". Cells no check needs are left out
-    (:func:`~distlab.grading.cells.cells_to_skip`) unless ``all_cells``.
+    is called as each notebook's grade is final. Cells no check needs are left out
+    (:func:`~distlab.grading.cells.cells_to_skip`) unless ``all_cells``. Raises :class:`InstallationChanged`
+    when a notebook changed a file Python imports from: no grade of that run can be trusted.
     """
     paths = [Path(p) for p in paths]
     names = students or student_names([str(p) for p in paths])
     jobs = jobs or default_jobs(len(paths))
+    runs = [_read(path, name, seed) for path, name in zip(paths, names)]  # before any notebook runs
+    base = Path(tempfile.mkdtemp(prefix="distlab-grade-"))
+    before = set(confine.descendants())  # a caller's own processes (a test session's ranks) are not the students'
+    sealed, adopting = confine.seal_memory(), confine.keep_orphans()
+    watching: list = []  # set up beside the kernel factory's start: it walks every folder Python imports from
+    watcher = threading.Thread(target=lambda: watching.append(confine.InstallationWatch(roots=(str(_PACKAGE),))))
+    watcher.start()
+
+    def watch() -> confine.InstallationWatch:
+        watcher.join()
+        return watching[0]
+
+    def cleared(when: str) -> None:
+        confine.end_descendants(spare=tuple(before))
+        changed = watch().changes()
+        if changed:
+            raise InstallationChanged(f"{when}, files Python imports from changed: {'; '.join(changed[:3])}: a "
+                                      "notebook may have changed what grades it; no grade of this run counts")
+
+    try:
+        _run_all(runs, base, timeout, jobs, warm, cell_timeout, all_cells, watch)
+        cleared("while the notebooks ran")
+        graders = ExerciseGraders(_checkers_of(paths), confine.clean_environment(base / "graders", **{
+            DEFERRED_VARIABLE: "1"}))
+        done, lock = [], threading.Lock()
+
+        def grade_one(run: _Run) -> None:
+            _grade_exercises(run, graders, seed, secret, max(timeout, EXERCISE_TIMEOUT), watch())
+            with lock:
+                done.append(run)
+                if progress:
+                    progress(len(done), len(runs), run.grade)
+
+        try:
+            with ThreadPoolExecutor(max_workers=jobs) as pool:
+                list(pool.map(grade_one, runs))
+        finally:
+            graders.close()
+        cleared("while exercises were graded")
+    finally:
+        watcher.join()
+        for made in watching:
+            made.close()
+        confine.end_descendants(spare=tuple(before))
+        if adopting:
+            confine.keep_orphans(False)
+        if sealed:
+            confine.seal_memory(False)
+        shutil.rmtree(base, ignore_errors=True)
+    return [run.grade for run in runs]
+
+
+def _run_all(runs: list[_Run], base: Path, timeout: float, jobs: int, warm: bool, cell_timeout: float | None,
+             all_cells: bool, watch) -> None:
+    """Step 1 for every notebook, ``jobs`` at a time, each in its private folder under ``base``; the installation
+    is watched (``watch()`` waits for it) before the first cell runs."""
     factory = None
     if warm and KernelFactory.available():
         try:  # the kernels import their labs' checkers (and through them the topics'): once, in the factory
-            factory = KernelFactory(preload=_checkers_of(paths))
+            factory = KernelFactory(preload=_checkers_of([r.path for r in runs]),
+                                    env=confine.clean_environment(base / "kernels", **{DEFERRED_VARIABLE: "1"}))
         except Exception as error:  # noqa: BLE001  grading still works, only slower
             print(f"warm kernels unavailable ({first_line(error) or type(error).__name__}); starting a fresh "
                   "kernel per notebook", file=sys.stderr)
 
-    async def grade_all() -> list[NotebookGrade]:
+    async def run_all() -> None:
         gate = asyncio.Semaphore(jobs)
-        done = []
 
-        async def one(path: Path, name: str) -> NotebookGrade:
+        async def one(index: int, run: _Run) -> None:
+            if run.notebook is None:
+                return
+            number = lab_number(run.path)
+            questions = [i for i, e in (exercises_of_lab(number) if number is not None else {}).items() if e.is_quiz]
             async with gate:
-                number = lab_number(path)
-                grade = await _grade_one(path, name, manager_class, timeout, cell_timeout,
-                                         exercises_of_lab(number) if number is not None else {}, all_cells,
-                                         secret, seed)
-            done.append(grade)
-            if progress:
-                progress(len(done), len(paths), grade)
-            return grade
+                await _run_one(run, manager_class, timeout, cell_timeout, all_cells, base / "notebooks" / str(index),
+                               questions)
 
-        return await asyncio.gather(*(one(p, n) for p, n in zip(paths, names)))
+        await asyncio.gather(*(one(i, run) for i, run in enumerate(runs)))
 
-    workdir = tempfile.mkdtemp(prefix="distlab-grade-kernels-")
+    workdir = base / "connections"
+    workdir.mkdir()
     try:
-        manager_class = kernel_manager_class(workdir, factory)
-        return asyncio.run(grade_all())
+        manager_class = kernel_manager_class(str(workdir), factory)
+        watch()
+        asyncio.run(run_all())
     finally:
         if factory is not None:
             factory.close()
-        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _checkers_of(paths: list[Path]) -> list[str]:
     """The checker modules of the labs these notebooks belong to (every lab's when a name does not say its lab):
-    what their kernels import. The other labs' would cost every grading run seconds, and their topics would ask
-    the forkserver to preload modules these ranks never use."""
+    what their kernels and grading processes import. The other labs' would cost every grading run seconds, and
+    their topics would ask the forkserver to preload modules these ranks never use."""
     numbers = {lab_number(p) for p in paths}
     return [f"distlab.grading.{name}" for name in lab_modules() if None in numbers or int(name[3:]) in numbers]
 

@@ -77,7 +77,7 @@ def describe_error(error: BaseException) -> str:
     (:func:`slip_of`), what the slip is. A rank's error already names its rank and line."""
     kind = type(error).__name__  # a rank's error (RankFailed) names the rank's exception in its first line
     text = f"{kind}: {first_line(error)}" if first_line(error) else kind
-    where = student_frame(error)
+    where = student_frame(error) or getattr(error, "student_line", "")  # an error rebuilt from another process's
     text = f"{text} (at {where})" if where else text
     slip = slip_of(error)
     return f"{text}{SLIP_SAID}{slip.says}" if slip else text

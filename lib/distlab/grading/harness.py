@@ -14,8 +14,11 @@ them lives here, so that every lab draws, runs and compares the same way and a f
   or never finish becomes a :class:`~distlab.grading.contract.CheckFailed` that says so, not a traceback;
   :func:`rank_group` and :func:`run_job` for a checker that runs several jobs on a group of its own;
 * :func:`max_difference`, :func:`is_close` and :func:`assert_close`: a tensor against the reference,
-  the failure naming where and by how much (the one comparer every checker uses);
-* :func:`raise_if_untouched`: an untouched stub is "not attempted" before any rank starts.
+  the failure naming where and by how much (the one comparer every checker uses), on :func:`plain` data
+  (a tensor subclass or a number that lies about equality is compared as the plain value it holds);
+* :func:`raise_if_untouched`: an untouched stub is "not attempted" before any rank starts;
+* :func:`run_isolated`: the part of a checker that needs the student's objects whole, run where they live
+  (under ``distlab grade``, beside the grading process: :mod:`distlab.grading.isolation`).
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from distlab.runtime.launch import (
     UnmatchedCommunication,
     launch,
 )
+from distlab.runtime.payload import plain
 from distlab.workload import build_model, gradient_bytes
 
 __all__ = ["Edge", "case_drawn", "cases_drawn", "uncovered", "GRADE_SEED_VARIABLE", "JOB_TIMEOUT",
@@ -51,7 +55,7 @@ __all__ = ["Edge", "case_drawn", "cases_drawn", "uncovered", "GRADE_SEED_VARIABL
            "RANK_GROUP_COLLECTIVE_TIMEOUT", "lab_seed", "rank_seed", "random_tensor", "case_gradient_bytes",
            "raise_if_untouched", "launch_failures_fail_the_check", "run_on_ranks", "rank_group", "run_job", "ops_used",
            "max_difference", "Tolerance", "ROUNDING_ULPS", "DEFAULT_TERMS", "tolerance", "is_close", "assert_close",
-           "with_reference"]
+           "plain", "with_reference", "stub_message", "run_isolated"]
 
 # The environment variable through which ``distlab grade`` gives each kernel the seed of its hidden cases.
 GRADE_SEED_VARIABLE = "DISTLAB_GRADE_SEED"
@@ -155,12 +159,14 @@ def raise_if_untouched(*student_code) -> None:
     student wrote runs on the ranks as usual.
     """
     for code in student_code:
-        functions = [code] if callable(code) and not inspect.isclass(code) else [
-            member for _, member in inspect.getmembers(code, inspect.isfunction)]
-        for fn in functions:
-            message = _stub_message(fn)
-            if message is not None:
-                raise NotImplementedError(message)
+        if hasattr(code, "stub_messages"):  # held apart by the grader (grading/isolation.py): it read the source
+            messages = code.stub_messages()
+        else:
+            functions = [code] if callable(code) and not inspect.isclass(code) else [
+                member for _, member in inspect.getmembers(code, inspect.isfunction)]
+            messages = [m for m in map(_stub_message, functions) if m is not None]
+        if messages:
+            raise NotImplementedError(messages[0])
 
 
 def _stub_message(fn) -> str | None:
@@ -168,7 +174,12 @@ def _stub_message(fn) -> str | None:
         tree = ast.parse(textwrap.dedent(inspect.getsource(fn)))
     except (OSError, TypeError, SyntaxError):
         return None
-    node = tree.body[0] if tree.body else None
+    return stub_message(tree.body[0]) if tree.body else None
+
+
+def stub_message(node: ast.AST) -> str | None:
+    """The stub's message when the function ``node`` (a syntax tree) is nothing but the lab's
+    ``raise NotImplementedError("Exercise …")``, else None."""
     if not isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
         return None
     body = [statement for statement in node.body
@@ -255,6 +266,7 @@ def max_difference(got: torch.Tensor, expected: torch.Tensor) -> tuple[float, tu
     Equal infinities (a fully masked row's ``-inf``) do not differ; a NaN on either side differs
     infinitely, so no tolerance lets it pass.
     """
+    got = plain(got)
     if not got.numel():
         return 0.0, ()
     diff = _differences(got, expected)
@@ -349,6 +361,7 @@ def is_close(got, expected: torch.Tensor, atol: float = 0.0, rtol: float = 0.0, 
     """Whether ``got`` is a tensor of ``expected``'s shape within :func:`tolerance` everywhere (equal infinities are
     close, a NaN never is): the test behind a check, and behind "does the answer match this known mistake?"
     hints. ``rule``: :func:`tolerance`'s ``dtype``, ``terms`` and ``scale``; ``atol``/``rtol``: floors."""
+    got = plain(got)
     if not isinstance(got, torch.Tensor) or tuple(got.shape) != tuple(expected.shape):
         return False
     if not got.numel():
@@ -368,6 +381,7 @@ def assert_close(where: str, what: str, got, expected: torch.Tensor, atol: float
     ``(got, expected)`` that chooses it by what differs ("" for none that fits). A difference of rounding's size
     gets no hint (a right formula computed in a lower precision would be sent to fix what is right) but says so.
     """
+    got = plain(got)
     if not isinstance(got, torch.Tensor):
         raise CheckFailed(f"{where}: {what} should be a tensor, got {type(got).__name__}")
     if tuple(got.shape) != tuple(expected.shape):
@@ -409,6 +423,9 @@ def with_reference(student, **pieces):
     piece reached another way (an attribute, a closure) stays the student's. A class becomes a subclass whose
     methods are rebuilt on the new globals, so ``super()`` and ``isinstance`` keep working.
     """
+    if hasattr(student, "with_reference"):  # held apart by the grader: it rebinds where the code runs
+        return student.with_reference(**pieces)
+
     def names(code) -> set[str]:  # the globals a function and the functions nested in it look up
         return set(code.co_names).union(*(names(c) for c in code.co_consts if isinstance(c, types.CodeType)))
 
@@ -431,3 +448,19 @@ def with_reference(student, **pieces):
         return student  # nothing of it looks up a replaced name
     return type(student.__name__, (student,), {**methods, "__qualname__": student.__qualname__ + "[reference]",
                                                 "__module__": student.__module__})
+
+
+def run_isolated(job, *args):
+    """``job(*args)``, where the student's code among ``args`` lives: in a notebook, right here; under
+    ``distlab grade``, in the sandbox beside the grading process, so that only plain data comes back
+    (:mod:`distlab.grading.isolation`).
+
+    For the part of a checker that drives the student's code through state it cannot hand over as a value:
+    autograd on what the code returned, a module or an optimizer it changes in place, a count taken while it
+    runs. ``job`` (a module-level function of the checker) returns what the checker compares, as tensors,
+    numbers and containers of them; the comparison stays in the checker, against its own reference.
+    """
+    for arg in args:
+        if hasattr(arg, "run_beside"):
+            return arg.run_beside(job, *args)
+    return job(*args)

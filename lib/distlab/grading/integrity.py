@@ -83,9 +83,15 @@ def _filled(cell) -> bool:
 
 
 def reference_use(student_code: tuple, references: tuple[str, ...]) -> str | None:
-    """Why this submission is the library's answer (one line naming the reference), or None."""
+    """Why this submission is the library's answer (one line naming the reference), or None.
+
+    Under ``distlab grade`` the submission is held apart from the grader (:mod:`distlab.grading.isolation`): the
+    question is then asked where its objects are, and its answer (a line, or None) is all that comes back."""
     if not references:
         return None
+    for code in student_code:
+        if hasattr(code, "run_beside"):
+            return code.run_beside(reference_use, tuple(student_code), tuple(references))
     answers = {}
     for dotted in references:
         answer = _resolve(dotted)

@@ -172,15 +172,18 @@ def _check_sent(r: int, n: int, sent: float, expected: float, tolerance: float, 
 # ---------------------------------------------------------------- 2.1 ring all-reduce
 
 def _all_reduce_job(student_fn, shape, dtype, seed):
-    """The student's result (their return value, or the argument they reduced in place) and the built-in's."""
-    x = random_tensor(shape, dtype, seed, dist.get_rank())
-    arg = x.clone()
+    """The student's result (their return value, or the argument they reduced in place), what it called and sent."""
+    arg = random_tensor(shape, dtype, seed, dist.get_rank())
     value, ops, sent, p2p = _run_student(student_fn, arg)
     got = arg if value is None else value
     got = got.detach().clone() if isinstance(got, torch.Tensor) else got
-    expected = x.clone()
-    dist.all_reduce(expected)
-    return got, expected, ops, sent, p2p
+    return got, ops, sent, p2p
+
+
+def _inputs(shape, dtype, seed: int, n: int) -> list[torch.Tensor]:
+    """Every rank's input of a case, drawn here: the references are computed here, never on the ranks, which run
+    the student's code."""
+    return [random_tensor(shape, dtype, seed, r) for r in range(n)]
 
 
 def _describe_case(n: int, shape, dtype) -> tuple[int, int, str]:
@@ -251,17 +254,19 @@ def _check_all_reduce(student_fn, p2p: bool, tree: bool = False) -> int:
                 case_drawn(exercise, world=n, shape=shape, dtype=dtype)
                 seed = rng.randrange(10**6)
                 run = run_job(ranks, _all_reduce_job, student_fn, shape, dtype, seed)
+                inputs = _inputs(shape, dtype, seed, n)
+                expected = sum(inputs)
                 cases += 1
                 numel, element, what = _describe_case(n, shape, dtype)
                 if n > 2 and numel < n:
                     what += ", fewer elements than ranks"
-                for r, (got, expected, ops, sent, p2p_ops) in enumerate(run):
+                for r, (got, ops, sent, p2p_ops) in enumerate(run):
                     _check_waited(r, p2p_ops, what)
-                    mistake = _all_reduce_mistake(random_tensor(shape, dtype, seed, r), got, expected, n)
+                    mistake = _all_reduce_mistake(inputs[r], got, expected, n)
                     assert_close(f"rank {r} ({what})", "the result", got, expected, terms=n, hint=mistake,
                                  same_dtype=True)
                 total = 0.0
-                for r, (got, expected, ops, sent, _) in enumerate(run):
+                for r, (got, ops, sent, _) in enumerate(run):
                     if tree:
                         _check_rounds(r, n, sent, ops, what)
                     elif p2p:
@@ -288,14 +293,10 @@ def check_ring_all_reduce(student_fn) -> str:
 # ---------------------------------------------------------------- 2.2 ring all-gather
 
 def _all_gather_job(student_fn, shape, dtype, seed):
-    n = dist.get_world_size()
-    x = random_tensor(shape, dtype, seed, dist.get_rank())
-    value, ops, sent, p2p = _run_student(student_fn, x.clone())
+    value, ops, sent, p2p = _run_student(student_fn, random_tensor(shape, dtype, seed, dist.get_rank()))
     if isinstance(value, (list, tuple)):
         value = [v.detach().clone() if isinstance(v, torch.Tensor) else v for v in value]
-    expected = [torch.empty_like(x) for _ in range(n)]
-    dist.all_gather(expected, x)
-    return value, expected, ops, sent, p2p
+    return value, ops, sent, p2p
 
 
 def _misplaced_entry(src: int, got, expected: list[torch.Tensor]) -> str:
@@ -320,11 +321,13 @@ def check_ring_all_gather(student_fn) -> str:
         with rank_group(n, "your ring") as ranks:
             for shape, dtype in _cases(rng, n):
                 case_drawn("2.2", world=n, shape=shape, dtype=dtype)
-                run = run_job(ranks, _all_gather_job, student_fn, shape, dtype, rng.randrange(10**6))
+                seed = rng.randrange(10**6)
+                run = run_job(ranks, _all_gather_job, student_fn, shape, dtype, seed)
+                expected = _inputs(shape, dtype, seed, n)
                 cases += 1
                 numel, element, what = _describe_case(n, shape, dtype)
                 what += " per rank"
-                for r, (got, expected, ops, sent, p2p_ops) in enumerate(run):
+                for r, (got, ops, sent, p2p_ops) in enumerate(run):
                     _check_waited(r, p2p_ops, what)
                     if not isinstance(got, (list, tuple)) or len(got) != n:
                         kind = f"a {type(got).__name__}" + (f" of length {len(got)}"
@@ -334,7 +337,7 @@ def check_ring_all_gather(student_fn) -> str:
                     for src in range(n):
                         assert_close(f"rank {r} ({what})", f"entry {src}", got[src], expected[src], terms=1,
                                      same_dtype=True, hint=_misplaced_entry(src, got[src], expected))
-                for r, (got, expected, ops, sent, _) in enumerate(run):
+                for r, (got, ops, sent, _) in enumerate(run):
                     _check_sent(r, n, sent, ring_all_gather_bytes(n * numel * element, n), 0, what, ops)
     return (f"matches dist.all_gather on {cases} random tensors, 2-4 ranks; "
             "each rank sent (N-1)/N*M bytes")

@@ -40,6 +40,7 @@ from distlab.grading.harness import (
     lab_seed,
     raise_if_untouched,
     rank_seed,
+    run_isolated,
     run_on_ranks,
     tolerance,
 )
@@ -280,6 +281,20 @@ def _names(model) -> dict[int, str]:
     return {id(p): name for name, p in model.named_parameters()}
 
 
+def _assignment_job(assign_fn, model, cap: int):
+    """3.2's assignment where the student's code runs: each bucket as the positions of its parameters in
+    ``model.parameters()`` (None for an entry that is not one of them), or the name of the type it returned
+    when that is no list of buckets. Identity is what the check is about, and it does not travel: positions do."""
+    params = list(model.parameters())
+    got = assign_fn(params, cap)
+    try:
+        buckets = [list(b) for b in got]
+    except TypeError:
+        return type(got).__name__
+    position = {id(p): i for i, p in enumerate(params)}
+    return [[position.get(id(p)) if isinstance(p, torch.nn.Parameter) else None for p in b] for b in buckets]
+
+
 def _check_bucket_assignment(assign_fn, rng: random.Random) -> int:
     cases = 0
     for model_kind, tied in (("gpt", True), ("gpt", False), ("edge", True)):
@@ -295,17 +310,14 @@ def _check_bucket_assignment(assign_fn, rng: random.Random) -> int:
             case_drawn("3.2", cap=cap, exact=exact, total=total)
             params = list(model.parameters())
             expected = assign_buckets(params, cap)
-            got = assign_fn(params, cap)
+            got = run_isolated(_assignment_job, assign_fn, model, cap)
             where = f"for the {'tied ' if tied and model_kind == 'gpt' else ''}" \
                     f"{'GPT' if model_kind == 'gpt' else 'GPT with a frozen pos_emb'} and bucket_cap_bytes={cap}"
-            try:
-                got = [list(b) for b in got]
-            except TypeError:
-                raise CheckFailed(f"{where}: expected a list of buckets, each a list of parameters, "
-                                  f"got {type(got).__name__}") from None
-            flat = [p for b in got for p in b]
-            if not all(isinstance(p, torch.nn.Parameter) for p in flat):
+            if isinstance(got, str):
+                raise CheckFailed(f"{where}: expected a list of buckets, each a list of parameters, got {got}")
+            if any(i is None for b in got for i in b):
                 raise CheckFailed(f"{where}: buckets must hold the model's parameters themselves")
+            flat = [params[i] for b in got for i in b]
             seen: dict[int, int] = {}
             for p in flat:
                 seen[id(p)] = seen.get(id(p), 0) + 1
@@ -458,19 +470,27 @@ class _Flag:
         self.require_backward_grad_sync = True
 
 
-def _check_no_sync_context(no_sync) -> None:
+def _no_sync_job(no_sync) -> tuple:
+    """3.4's context where the student's code runs: the flag inside it, after it, and after an exception in it."""
     ddp = _Flag()
     with no_sync(ddp):
-        if ddp.require_backward_grad_sync is not False:
-            raise CheckFailed("inside no_sync(ddp), ddp.require_backward_grad_sync should be False")
-    if ddp.require_backward_grad_sync is not True:
-        raise CheckFailed("after no_sync(ddp), ddp.require_backward_grad_sync should be True again")
+        inside = ddp.require_backward_grad_sync
+    after = ddp.require_backward_grad_sync
     try:
         with no_sync(ddp):
             raise KeyError("boom")
     except KeyError:
         pass
-    if ddp.require_backward_grad_sync is not True:
+    return inside, after, ddp.require_backward_grad_sync
+
+
+def _check_no_sync_context(no_sync) -> None:
+    inside, after, after_error = run_isolated(_no_sync_job, no_sync)
+    if inside is not False:
+        raise CheckFailed("inside no_sync(ddp), ddp.require_backward_grad_sync should be False")
+    if after is not True:
+        raise CheckFailed("after no_sync(ddp), ddp.require_backward_grad_sync should be True again")
+    if after_error is not True:
         raise CheckFailed("after an exception inside no_sync(ddp), synchronisation must be switched back on "
                           "(restore the flag in a finally block)")
 

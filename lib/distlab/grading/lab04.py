@@ -41,6 +41,7 @@ from distlab.grading.harness import (
     max_difference,
     raise_if_untouched,
     rank_seed,
+    run_isolated,
     run_on_ranks,
 )
 from distlab.grading.registry import Exercise
@@ -385,16 +386,29 @@ def _mixed_case(seed: int, optimizer: str):
     return [e.to(torch.bfloat16) for e in exact], masters, make(masters, lr=1e-3), grads, exact
 
 
+def _mixed_steps(step_fn, seed: int, optimizer: str) -> list[tuple[list, list, list]]:
+    """Run a case's 12 steps with ``step_fn``; after each, the compute copies, the masters and whether each
+    compute copy still holds a gradient. Where the student's code runs (:func:`run_isolated`) for theirs."""
+    params, masters, opt, grads, _ = _mixed_case(seed, optimizer)
+    states = []
+    for step_grads in grads:
+        for p, g in zip(params, step_grads):
+            p.grad = g.clone()
+        step_fn(params, masters, opt)
+        states.append(([p.detach().clone() for p in params], [m.detach().clone() for m in masters],
+                       [p.grad is not None for p in params]))
+    return states
+
+
 def check_mixed_precision(step_fn) -> str:
     """4.4: ``mixed_precision_step(params, masters, optimizer)`` on bf16 compute copies and fp32 masters."""
     for seed, optimizer in ((_seed() + 41, "sgd"), (_seed() + 42, "adamw")):
-        mine, ref = _mixed_case(seed, optimizer), _mixed_case(seed, optimizer)
-        for step, grads in enumerate(mine[3]):
-            for (params, masters, opt, *_), fn in ((mine, step_fn), (ref, mixed_precision_step)):
-                for p, g in zip(params, grads):
-                    p.grad = g.clone()
-                fn(params, masters, opt)
-            for k, (p, m, rm, initial) in enumerate(zip(mine[0], mine[1], ref[1], mine[4])):
+        initials = _mixed_case(seed, optimizer)[4]
+        mine = run_isolated(_mixed_steps, step_fn, seed, optimizer)
+        ref = _mixed_steps(mixed_precision_step, seed, optimizer)
+        for step, ((params, masters, holds_grad), (_, ref_masters, _)) in enumerate(zip(mine, ref)):
+            for k, (p, m, rm, initial, has_grad) in enumerate(zip(params, masters, ref_masters, initials,
+                                                                  holds_grad)):
                 where = f"{optimizer}, step {step + 1}, tensor {k}"
                 if m.dtype != torch.float32 or p.dtype != torch.bfloat16:
                     raise CheckFailed(f"{where}: masters must stay fp32 and compute copies bf16 (got "
@@ -409,7 +423,7 @@ def check_mixed_precision(step_fn) -> str:
                     raise CheckFailed(f"{where}: the bf16 compute copy is not the master rounded to bf16 (off by "
                                       f"{(p.float() - m).abs().max().item():.3g}): copy the masters back into the "
                                       f"compute copies after the step")
-                if p.grad is not None:
+                if has_grad:
                     raise CheckFailed(f"{where}: the compute copy still holds its gradient after the step; clear it "
                                       f"(p.grad = None), or the next backward adds this step's gradient to it")
     return ("SGD and AdamW, 12 steps each: fp32 masters accumulate updates below bf16's resolution, compute copies "
@@ -460,6 +474,14 @@ def _measure(what: str, model: nn.Module, loss_fn, inner: list[nn.Module]) -> tu
     return meter.bytes, loss.item(), grads, calls[0] - forward_calls
 
 
+def _checkpointed_job(checkpointed, what: str, build, container, loss_fn, inner):
+    """4.5 where the student's code runs: a model with their checkpointing applied, measured as the reference
+    ones are (bytes saved for backward, counted in that process, as any count taken beside the code)."""
+    mine = build()
+    _apply(checkpointed, container(mine))
+    return (*_measure(what, mine, lambda: loss_fn(mine), inner(mine)), len(inner(mine)))
+
+
 def check_checkpointing(checkpointed) -> str:
     """4.5: ``checkpointed(module)`` makes a module recompute its forward in backward."""
     rng = random.Random(_seed() + 5)
@@ -472,12 +494,12 @@ def check_checkpointing(checkpointed) -> str:
               ("a stack of MLPs", lambda: _Stack(7), lambda m: m.layers, lambda m: m(data),
                lambda m: [layer[0] for layer in m.layers])]
     for what, build, container, loss_fn, inner in setups:
-        plain, mine, lib = build(), build(), build()
-        _apply(checkpointed, container(mine))
+        plain, lib = build(), build()
         for module in container(lib):
             checkpoint_module(module)
         b_plain, l_plain, g_plain, _ = _measure(what, plain, lambda: loss_fn(plain), inner(plain))
-        b_mine, l_mine, g_mine, recomputed = _measure(what, mine, lambda: loss_fn(mine), inner(mine))
+        b_mine, l_mine, g_mine, recomputed, inner_count = run_isolated(_checkpointed_job, checkpointed, what, build,
+                                                                       container, loss_fn, inner)
         b_lib, *_ = _measure(what, lib, lambda: loss_fn(lib), inner(lib))
         missing = sorted(set(g_plain) - set(g_mine))
         if missing:
@@ -493,9 +515,9 @@ def check_checkpointing(checkpointed) -> str:
         if b_mine > 1.02 * b_lib:
             raise CheckFailed(f"{what}: {b_mine:,} bytes saved for backward; checkpointing each module should keep "
                               f"only its inputs ({b_lib:,} bytes)")
-        if recomputed != len(inner(mine)):
+        if recomputed != inner_count:
             raise CheckFailed(f"{what}: backward ran the checkpointed modules' insides {recomputed} times, expected "
-                              f"{len(inner(mine))} (one recompute each)")
+                              f"{inner_count} (one recompute each)")
     return "GPT blocks and an MLP stack: same gradients, only module inputs saved, one recompute per module"
 
 

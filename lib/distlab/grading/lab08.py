@@ -19,6 +19,7 @@ from __future__ import annotations
 import math
 import numbers
 import random
+import types
 from dataclasses import dataclass, field
 
 import torch
@@ -33,6 +34,7 @@ from distlab.grading.harness import (
     is_close,
     lab_seed,
     max_difference,
+    run_isolated,
     run_on_ranks,
     with_reference,
 )
@@ -77,9 +79,23 @@ def _generator(seed: int) -> torch.Generator:
 def _as_routing(got, where: str):
     for name in ("probs", "experts", "gates"):
         if not hasattr(got, name):
-            raise CheckFailed(f"{where}: return a distlab.moe.Routing(logits, probs, experts, gates), "
-                              f"got {type(got).__name__}")
+            kind = got if isinstance(got, str) else type(got).__name__  # the type run_isolated saw
+            raise CheckFailed(f"{where}: return a distlab.moe.Routing(logits, probs, experts, gates), got {kind}")
     return got
+
+
+def _route_job(route_fn, x, weight, k, bias, cotangent):
+    """8.1 where the student's code runs: its routing, whether its gates carry a gradient, and the router weight's
+    gradient through them for ``cotangent`` (the checker compares all of it with its own reference)."""
+    w = weight.detach().clone().requires_grad_(True)
+    got = route_fn(x, w, k, bias) if bias is not None else route_fn(x, w, k)
+    fields = {name: getattr(got, name) for name in ("probs", "experts", "gates") if hasattr(got, name)}
+    if len(fields) < 3:
+        return type(got).__name__, None, None
+    differentiable = isinstance(got.gates, torch.Tensor) and got.gates.grad_fn is not None
+    if differentiable:
+        (got.gates * cotangent).sum().backward()
+    return fields, differentiable, w.grad
 
 
 def check_router(route_fn) -> str:
@@ -95,8 +111,9 @@ def check_router(route_fn) -> str:
         where = f"T={T} tokens, E={E} experts, k={k}" + (", with a selection bias" if with_bias else "")
         case_drawn("8.1", k=k, bias=with_bias, experts=E)
         expected = route(x, w_ref, k, bias)
-        w = w_ref.detach().clone().requires_grad_(True)
-        got = _as_routing(route_fn(x, w, k, bias) if with_bias else route_fn(x, w, k), where)
+        cotangent = torch.randn(T, k, generator=g)
+        fields, differentiable, w_grad = run_isolated(_route_job, route_fn, x, w_ref, k, bias, cotangent)
+        got = _as_routing(types.SimpleNamespace(**fields) if isinstance(fields, dict) else fields, where)
         if tuple(got.probs.shape) != (T, E) or not is_close(got.probs, expected.probs, atol=1e-6, rtol=1e-6):
             by = max_difference(got.probs, expected.probs)[0] if got.probs.shape == expected.probs.shape else "shape"
             raise CheckFailed(f"{where}: probs differ from softmax(x @ weight.T) over the experts (dim=-1) by "
@@ -133,15 +150,13 @@ def check_router(route_fn) -> str:
             raise CheckFailed(f"{where}: gates differ by up to {max_difference(got.gates, expected.gates)[0]:.3g}: "
                               f"a gate is probs gathered at the chosen experts"
                               + (", renormalised over the k choices" if k > 1 else " (kept raw for k = 1)"))
-        if got.gates.grad_fn is None:
+        if not differentiable:
             raise CheckFailed(f"{where}: the gates carry no gradient: gather them from probs (differentiable), "
                               f"never from detached values, or the router never learns")
-        cotangent = torch.randn(T, k, generator=g)
         (expected.gates * cotangent).sum().backward()
-        (got.gates * cotangent).sum().backward()
-        if w.grad is None or not is_close(w.grad, w_ref.grad, rtol=ATOL):
+        if w_grad is None or not is_close(w_grad, w_ref.grad, rtol=ATOL):
             raise CheckFailed(f"{where}: the router weight's gradient through the gates differs by "
-                              f"{max_difference(w.grad, w_ref.grad)[0] if w.grad is not None else 'everything (None)'}"
+                              f"{max_difference(w_grad, w_ref.grad)[0] if w_grad is not None else 'everything (None)'}"
                               f": the gates must come from softmax(x @ weight.T) by differentiable ops (gather, "
                               f"division), with the same softmax the probs use")
     # k's range at both ends: E experts of width 6 < E (the experts are the weight's rows, not its columns)
@@ -249,6 +264,20 @@ def _ratio(got: torch.Tensor, expected: torch.Tensor) -> float | None:
     return float(got.detach()) / float(expected.detach()) if float(expected.detach()) != 0 else None
 
 
+def _losses_job(balance_fn, z_loss_fn, logits, experts, num_experts):
+    """8.3 where the student's code runs: each loss, and the logits' gradient through it (None: it has none)."""
+    logits = logits.detach().clone().requires_grad_(True)
+    got = balance_fn(torch.softmax(logits, -1), experts, num_experts)
+    differentiable = isinstance(got, torch.Tensor) and got.grad_fn is not None
+    if differentiable and got.numel() == 1:
+        got.backward()
+    z_in = logits.detach().clone().requires_grad_(True)
+    z = z_loss_fn(z_in)
+    if isinstance(z, torch.Tensor) and z.numel() == 1 and z.grad_fn is not None:
+        z.backward()
+    return got, differentiable, logits.grad, z, z_in.grad
+
+
 def check_balancing_losses(balance_fn, z_loss_fn) -> str:
     """8.3: ``load_balancing_loss(probs, experts, E)`` and ``router_z_loss(logits)``."""
     rng = random.Random(_seed() + 3)
@@ -262,7 +291,8 @@ def check_balancing_losses(balance_fn, z_loss_fn) -> str:
         where = f"T={T}, E={E}, k={k}"
         case_drawn("8.3", k=k, experts=E)
         expected = load_balancing_loss(torch.softmax(logits_ref, -1), experts, E)
-        got = balance_fn(torch.softmax(logits, -1), experts, E)
+        got, got_differentiable, logits_grad, z, z_in_grad = run_isolated(_losses_job, balance_fn, z_loss_fn,
+                                                                            logits, experts, E)
         if not isinstance(got, torch.Tensor) or got.numel() != 1:
             raise CheckFailed(f"{where}: load_balancing_loss should return a scalar tensor, got {got!r}")
         if not math.isclose(float(got.detach()), float(expected.detach()), rel_tol=1e-5):
@@ -275,16 +305,13 @@ def check_balancing_losses(balance_fn, z_loss_fn) -> str:
             raise CheckFailed(f"{where}: load_balancing_loss = {float(got.detach()):.6g}, expected "
                               f"{float(expected.detach()):.6g}: {hint}")
         expected.backward()
-        if got.grad_fn is None:
+        if not got_differentiable:
             raise CheckFailed(f"{where}: the loss has no gradient: P_i, the mean router probability, must stay "
                               f"differentiable")
-        got.backward()
-        if logits.grad is None or not is_close(logits.grad, logits_ref.grad, atol=1e-6, rtol=1e-6):
+        if logits_grad is None or not is_close(logits_grad, logits_ref.grad, atol=1e-6, rtol=1e-6):
             raise CheckFailed(f"{where}: right value, wrong gradient: f_i are counts (no gradient); the gradient "
                               f"flows only through P_i = probs.mean(0)")
         z_ref = router_z_loss(logits_ref.detach().requires_grad_(True))
-        z_in = logits_ref.detach().clone().requires_grad_(True)
-        z = z_loss_fn(z_in)
         if (not isinstance(z, torch.Tensor) or z.numel() != 1
                 or not math.isclose(float(z.detach()), float(z_ref.detach()), rel_tol=1e-5)):
             ratio = _ratio(z, z_ref) if isinstance(z, torch.Tensor) and z.numel() == 1 else None
@@ -292,8 +319,7 @@ def check_balancing_losses(balance_fn, z_loss_fn) -> str:
                     else "the mean over tokens of logsumexp(logits, dim=-1) squared")
             shown = f"{float(z.detach()):.6g}" if isinstance(z, torch.Tensor) and z.numel() == 1 else repr(z)
             raise CheckFailed(f"{where}: router_z_loss = {shown}, expected {float(z_ref.detach()):.6g}: {hint}")
-        z.backward()
-        if z_in.grad is None:
+        if z_in_grad is None:
             raise CheckFailed(f"{where}: router_z_loss has no gradient with respect to the logits")
     balanced = torch.full((8, 4), 0.25)
     balanced_experts = torch.arange(8).remainder(4).unsqueeze(1)
@@ -381,6 +407,17 @@ def _grads(*modules_or_tensors) -> list[torch.Tensor]:
     return out
 
 
+def _layer_job(moe_fn, x, w, experts, k, cf, shared_expert, cotangent):
+    """8.5 where the student's code runs: the layer's output, and every gradient through it for ``cotangent`` (x,
+    the router weight, the experts', the shared expert's; None when the output carries none)."""
+    x_in, w_in = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
+    got = moe_fn(x_in, w_in, experts, k, cf, shared_expert)
+    if not (isinstance(got, torch.Tensor) and got.grad_fn is not None and tuple(got.shape) == tuple(cotangent.shape)):
+        return got, None
+    (got * cotangent).sum().backward()
+    return got, _grads(x_in, w_in, experts, shared_expert)
+
+
 def check_moe_layer(moe_fn) -> str:
     """8.5: ``moe_layer(x, router_weight, experts, k, capacity_factor=None, shared=None)`` → [T, d].
 
@@ -396,23 +433,20 @@ def check_moe_layer(moe_fn) -> str:
         x_ref, w_ref = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
         ref_experts, ref_shared = _layer_case(i, T, d, E, shared)[2:]
         expected, result = moe_forward(x_ref, w_ref, ref_experts, k, cf, ref_shared)
-        x_in, w_in = x.clone().requires_grad_(True), w.clone().requires_grad_(True)
-        got = moe_fn(x_in, w_in, experts, k, cf, shared_expert)
+        cotangent = torch.randn(T, d, generator=_generator(_seed() + 70 + i))
+        got, grads = run_isolated(_layer_job, moe_fn, x, w, experts, k, cf, shared_expert, cotangent)
         if not isinstance(got, torch.Tensor) or tuple(got.shape) != (T, d):
             raise CheckFailed(f"{where}: return the layer output, shape [T, d] = {(T, d)}, got "
                               f"{tuple(got.shape) if isinstance(got, torch.Tensor) else type(got).__name__}")
         if not is_close(got, expected, rtol=ATOL):
             raise CheckFailed(f"{where}: {_diagnose_layer(got, expected, x, w, k, cf, shared, i, result)}")
-        cotangent = torch.randn(T, d, generator=_generator(_seed() + 70 + i))
         (expected * cotangent).sum().backward()
-        (got * cotangent).sum().backward()
-        if w_in.grad is None or not w_in.grad.any():
+        if grads is None or not grads[1].any():
             raise CheckFailed(f"{where}: the output matches, but the router weight got no gradient: keep the gates in "
                               f"the autograd graph (index routing.gates, never .detach() or .item() them)")
         names = ["x", "router weight"] + [f"experts.{name}" for name, _ in experts.named_parameters()]
         names += [f"shared.{name}" for name, _ in shared_expert.named_parameters()] if shared else []
-        for name, a, b in zip(names, _grads(x_in, w_in, experts, shared_expert), _grads(x_ref, w_ref, ref_experts,
-                                                                                      ref_shared)):
+        for name, a, b in zip(names, grads, _grads(x_ref, w_ref, ref_experts, ref_shared)):
             if not is_close(a, b, rtol=ATOL):
                 raise CheckFailed(f"{where}: the gradient of {name} differs by up to {max_difference(a, b)[0]:.3g}: "
                                   f"the output matches, so something is detached (the gates? the expert outputs?)")

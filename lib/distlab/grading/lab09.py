@@ -40,7 +40,7 @@ from distlab.fp8.matmul import MULTIPLE, emulated_scaled_mm, scaled_mm_support
 from distlab.fp8.scaling import DelayedScaling, dequantize, expand_scale, quantize
 from distlab.fp8.training import final_loss, train_recipe
 from distlab.grading.contract import CheckFailed, first_line
-from distlab.grading.harness import Edge, case_drawn, lab_seed
+from distlab.grading.harness import Edge, case_drawn, lab_seed, run_isolated
 from distlab.grading.quiz import choice, number
 from distlab.grading.registry import Exercise
 from distlab.model import GPTConfig
@@ -190,6 +190,11 @@ def _scaler_run(scaler, case: dict) -> list[dict]:
     return trace
 
 
+def _scaler_job(scaler_class, knobs: dict, case: dict) -> list[dict]:
+    """9.2 where the student's code runs: their scaler drives a training run, which returns its trace."""
+    return _scaler_run(scaler_class(**knobs), case)
+
+
 def check_loss_scaler(scaler_class) -> str:
     """9.2: a class with ``scale``, ``step``, ``update``, ``get_scale`` that behaves like ``torch.amp.GradScaler``."""
     rng = random.Random(_seed() + 2)
@@ -203,7 +208,7 @@ def check_loss_scaler(scaler_class) -> str:
             len(run) for run in "".join("b" if s in case["bad"] else "." for s in range(case["steps"])).split("b")),
                    interval=case["growth_interval"])
         where = ", ".join(f"{k}={v:g}" for k, v in knobs.items())
-        ours = _scaler_run(scaler_class(**knobs), case)
+        ours = run_isolated(_scaler_job, scaler_class, knobs, case)
         ref = _scaler_run(torch.amp.GradScaler("cpu", **knobs), case)
         for step, (got, want) in enumerate(zip(ours, ref)):
             kind = "with an inf/NaN gradient" if want["bad"] else "with finite gradients"
@@ -397,6 +402,15 @@ class _CountScaledMM(TorchDispatchMode):
         return func(*args, **(kwargs or {}))
 
 
+def _native_job(native_fn, a, b, sa, sb):
+    """9.4's native path where the student's code runs: its output, and how many times it called
+    ``torch._scaled_mm`` (counted in that process: a count the code could alter, as any count taken beside it)."""
+    mode = _CountScaledMM()
+    with mode:
+        got = native_fn(a, b, sa, sb, torch.float32)
+    return got, mode.calls
+
+
 def _matmul_case(rng: random.Random, generator: torch.Generator, m: int, k: int, n: int, rowwise: bool,
                  dtype_b=torch.float8_e4m3fn):
     a = (torch.randn(m, k, generator=generator) * 100).to(torch.float8_e4m3fn)
@@ -425,10 +439,8 @@ def check_fp8_matmul(emulated_fn, native_fn, auto_fn) -> str:
                 expected = emulated_scaled_mm(a, b, sa, sb, torch.float32)
                 _compare_matmul(emulated_fn(a, b, sa, sb, torch.float32), expected, a, b, sa, sb, f"emulated, {where}")
                 if support.tensorwise and (support.rowwise or not rowwise):
-                    mode = _CountScaledMM()
-                    with mode:
-                        got = native_fn(a, b, sa, sb, torch.float32)
-                    if mode.calls == 0:
+                    got, calls = run_isolated(_native_job, native_fn, a, b, sa, sb)
+                    if calls == 0:
                         raise CheckFailed(f"native, {where}: torch._scaled_mm was never called")
                     _compare_matmul(got, expected, a, b, sa, sb, f"native, {where}")
     for m, k, n in ((17, 40, 24), (32, 48, 24), (32, 40, 32)):  # K and N, N alone, K alone off the multiple
@@ -476,18 +488,36 @@ def _compare_matmul(got, expected, a, b, sa, sb, where: str) -> None:
 # ---------------------------------------------------------------- 9.5
 
 
-def _linear_pair(student_class, k: int, n: int, generator: torch.Generator, bias: bool):
+def _reference_linear(k: int, n: int, generator: torch.Generator, bias: bool) -> Float8Linear:
     ref = Float8Linear(k, n, bias=bias)
     with torch.no_grad():
         ref.weight.copy_(torch.randn(n, k, generator=generator) * 0.05)
         if bias:
             ref.bias.copy_(torch.randn(n, generator=generator) * 0.1)
-    mine = student_class.from_linear(nn.Linear(k, n, bias=bias))
+    return ref
+
+
+def _linear_job(student_class, ref: Float8Linear, x: torch.Tensor, grad_out: torch.Tensor):
+    """9.5 where the student's code runs: their layer, made from a linear and given ``ref``'s weights, forward
+    and backward; what the checker compares (its weight's dtype, the output, autograd's error if backward
+    failed, the input and weight gradients)."""
+    mine = student_class.from_linear(nn.Linear(ref.in_features, ref.out_features, bias=ref.bias is not None))
     with torch.no_grad():
         mine.weight.copy_(ref.weight)
-        if bias:
+        if ref.bias is not None:
             mine.bias.copy_(ref.bias)
-    return mine, ref
+    dtype = mine.weight.dtype
+    x = x.detach().clone().requires_grad_()
+    y = mine(x)
+    if y.shape != (x.shape[0], ref.out_features):
+        return dtype, y, "", None, None
+    try:
+        y.backward(grad_out)
+    except RuntimeError as error:
+        if "index 0" not in str(error) and "index 1" not in str(error):
+            raise
+        return dtype, y, first_line(error), None, None
+    return dtype, y, "", x.grad, mine.weight.grad
 
 
 def _variant_grads(x, weight, grad_out, grad_format):
@@ -509,33 +539,30 @@ def check_float8_linear(student_class) -> str:
                        rng.random() < 0.5 if i > 1 else i == 0))  # a layer with a bias and one without, always
     for m, k, n, bias in shapes:
         case_drawn("9.5", bias=bias, square=k == n)
-        mine, ref = _linear_pair(student_class, k, n, generator, bias)
+        ref = _reference_linear(k, n, generator, bias)
         where = f"{m}×{k} input, {k}→{n} layer{' with bias' if bias else ''}"
-        if mine.weight.dtype != torch.float32:
-            raise CheckFailed(f"{where}: weight is {mine.weight.dtype}; keep float32 master weights, quantise a copy")
         x = (torch.randn(m, k, generator=generator) * 2).requires_grad_()
         x_ref = x.detach().clone().requires_grad_()
         grad_out = torch.randn(m, n, generator=generator) * 1e-3
-        y, y_ref = mine(x), ref(x_ref)
+        dtype, y, backward_error, x_grad, weight_grad = run_isolated(_linear_job, student_class, ref, x, grad_out)
+        if dtype != torch.float32:
+            raise CheckFailed(f"{where}: weight is {dtype}; keep float32 master weights, quantise a copy")
+        y_ref = ref(x_ref)
         if y.shape != y_ref.shape:
             raise CheckFailed(f"{where}: output shape {tuple(y.shape)}, expected {tuple(y_ref.shape)}")
         err = _relative(y, y_ref)
         if err > 1e-4:
             raise CheckFailed(f"{where}: forward differs from the FP8 reference by {err:.3g} (relative): "
                               f"{_forward_hint(y, x.detach(), ref.weight.detach(), ref.bias)}")
-        try:
-            y.backward(grad_out)
-        except RuntimeError as error:  # autograd's own words for a gradient of the wrong shape
-            index = "0" if "index 0" in str(error) else "1" if "index 1" in str(error) else ""
-            if not index:
-                raise
+        if backward_error:  # autograd's own words for a gradient of the wrong shape
+            index = "0" if "index 0" in backward_error else "1"
             what = ("grad_x must have x's shape (M×K): grad_x = g @ W" if index == "0" else
                     "grad_W must have the weight's shape (N×K): grad_W = gᵀ @ x, not xᵀ @ g")
-            raise CheckFailed(f"{where}: backward returned a gradient of the wrong shape ({first_line(error)}): "
-                              f"{what}") from None
+            raise CheckFailed(f"{where}: backward returned a gradient of the wrong shape ({backward_error}): "
+                              f"{what}")
         y_ref.backward(grad_out)
-        for name, got, want in (("input gradient", x.grad, x_ref.grad), ("weight gradient", mine.weight.grad,
-                                                                          ref.weight.grad)):
+        for name, got, want in (("input gradient", x_grad, x_ref.grad), ("weight gradient", weight_grad,
+                                                                         ref.weight.grad)):
             if got is None:
                 raise CheckFailed(f"{where}: no {name}: backward must return grad_x and grad_W")
             if got.dtype != want.dtype:
@@ -545,7 +572,7 @@ def check_float8_linear(student_class) -> str:
             if err > 1e-4:
                 raise CheckFailed(f"{where}: the {name} differs from the FP8 reference by {err:.3g} (relative): "
                                   f"{_gradient_hint(name, got, x_ref.detach(), ref.weight.detach(), grad_out)}")
-    cfg_losses = _train_gpt(student_class)
+    cfg_losses = _compare_training(run_isolated(_train_job, student_class))
     return (f"{len(shapes)} layers: output, input and weight gradients equal the reference (E4M3 forward, E5M2 "
             f"gradients, fp32 weights); a GPT trained with it for 3 steps matches ({cfg_losses})")
 
@@ -581,16 +608,22 @@ def _gradient_hint(name: str, got, x, weight, grad_out) -> str:
             if index else "grad_x = g @ W with g quantised to E5M2 and W the E4M3 copy from forward")
 
 
-def _train_gpt(student_class) -> str:
-    cfg = GPTConfig(vocab_size=64, seq_len=16, n_layer=1, n_head=2, d_model=32)
-    mine = train_recipe("fp8", cfg, steps=3, batch_size=4,
-                        linear_factory=lambda linear, path: student_class.from_linear(linear))
-    ref = train_recipe("fp8", cfg, steps=3, batch_size=4)
-    gap = max(abs(a - b) for a, b in zip(mine.losses, ref.losses))
+_TRAIN_CFG = GPTConfig(vocab_size=64, seq_len=16, n_layer=1, n_head=2, d_model=32)
+
+
+def _train_job(student_class) -> list[float]:
+    """9.5 where the student's code runs: a GPT trained 3 steps with their layer; its losses."""
+    return list(train_recipe("fp8", _TRAIN_CFG, steps=3, batch_size=4,
+                             linear_factory=lambda linear, path: student_class.from_linear(linear)).losses)
+
+
+def _compare_training(losses: list[float]) -> str:
+    ref = train_recipe("fp8", _TRAIN_CFG, steps=3, batch_size=4)
+    gap = max(abs(a - b) for a, b in zip(losses, ref.losses))
     if gap > 1e-4:
         raise CheckFailed(f"a GPT with your layer trains differently from the reference FP8 recipe: losses "
-                          f"{[round(v, 4) for v in mine.losses]} vs {[round(v, 4) for v in ref.losses]}")
-    return f"losses {final_loss(mine.losses, 3):.4f} vs {final_loss(ref.losses, 3):.4f}"
+                          f"{[round(v, 4) for v in losses]} vs {[round(v, 4) for v in ref.losses]}")
+    return f"losses {final_loss(losses, 3):.4f} vs {final_loss(ref.losses, 3):.4f}"
 
 
 # ---------------------------------------------------------------- the lab's exercises and quiz

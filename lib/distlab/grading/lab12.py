@@ -115,11 +115,23 @@ def _compare_checkpoints(mine: dict, reference: dict, where: str) -> None:
                                   f"it holds")
 
 
-def _resume_case(train_resumable, case: dict) -> None:
+def _uninterrupted(case: dict) -> dict:
+    """The reference run of a case (its losses, and every checkpoint it saved, read), held here. Run before the
+    student's code runs on the ranks and read before it could rewrite the files: ranks and files it touched are
+    the student's."""
+    with tempfile.TemporaryDirectory(prefix="distlab-check12-") as tmp:
+        reference = _ranks(case["world"]).run(resumable_train, args=(tmp, case["steps"], case["save_every"]),
+                                              kwargs=case["setup"], show_output=False, timeout=JOB_TIMEOUT)[0]
+        saved = {step: _normalised(read_checkpoint(checkpoint_path(tmp, step)))
+                 for step in range(0, case["steps"] + 1) if checkpoint_path(tmp, step).is_dir()}
+    return {**reference, "checkpoints": saved}
+
+
+def _resume_case(train_resumable, case: dict, reference: dict) -> None:
     ranks = _ranks(case["world"])
     where_text = _describe_case(case)
     with tempfile.TemporaryDirectory(prefix="distlab-check12-") as tmp:
-        ref_dir, my_dir = Path(tmp, "reference"), Path(tmp, "yours")
+        my_dir = Path(tmp, "yours")
         report = run_with_restarts(train_resumable, case["world"], str(my_dir), ranks=ranks, max_restarts=2,
                                    kwargs=dict(case["setup"], steps=case["steps"], save_every=case["save_every"]),
                                    faults={0: case["fault"]}, timeout=JOB_TIMEOUT)
@@ -131,8 +143,6 @@ def _resume_case(train_resumable, case: dict) -> None:
         if len(report.attempts) > 2:
             raise CheckFailed(f"{where_text}: the resumed job failed again ({report.attempts[1].outcome})")
         losses = report.run[0]
-        reference = ranks.run(resumable_train, args=(str(ref_dir), case["steps"], case["save_every"]),
-                              kwargs=case["setup"], show_output=False, timeout=JOB_TIMEOUT)[0]
         if not isinstance(losses, dict) or not losses:
             raise CheckFailed(f"{where_text}: train_resumable must return {{step: loss}} for the steps it ran, "
                               f"got {type(losses).__name__}")
@@ -149,8 +159,8 @@ def _resume_case(train_resumable, case: dict) -> None:
                               f"checkpoint holds {case['resume_at']} steps: {why}")
         resume_dir = checkpoint_path(my_dir, start)
         if start and resume_dir.is_dir():
-            _compare_checkpoints(_normalised(read_checkpoint(resume_dir)),
-                                 _normalised(read_checkpoint(checkpoint_path(ref_dir, start))), resume_dir.name)
+            _compare_checkpoints(_normalised(read_checkpoint(resume_dir)), reference["checkpoints"][start],
+                                 resume_dir.name)
         for step in sorted(losses):
             if step not in reference["losses"]:
                 raise CheckFailed(f"{where_text}: returned a loss for step {step}, beyond the {case['steps']} steps")
@@ -170,8 +180,8 @@ def _resume_case(train_resumable, case: dict) -> None:
         if not final.is_dir():
             raise CheckFailed(f"{where_text}: no final checkpoint {final.name}: save every save_every steps, "
                               f"including the last")
-        _compare_checkpoints(_normalised(read_checkpoint(final)),
-                             _normalised(read_checkpoint(checkpoint_path(ref_dir, case["steps"]))), final.name)
+        _compare_checkpoints(_normalised(read_checkpoint(final)), reference["checkpoints"][case["steps"]],
+                             final.name)
 
 
 def _check_metrics_log(log: MetricsLog, attempt: int, losses: dict, where: str) -> None:
@@ -199,9 +209,10 @@ def _check_metrics_log(log: MetricsLog, attempt: int, losses: dict, where: str) 
 def check_resumable_training(train_resumable) -> str:
     """12.1: ``train_resumable(ckpt_dir, steps, save_every, *, attempt, fault, **setup)`` → ``{step: loss}``."""
     cases = _resume_cases(random.Random(_seed() + 1))
-    for case in cases:
+    references = [_uninterrupted(case) for case in cases]  # before any of the student's code runs on the ranks
+    for case, reference in zip(cases, references):
         case_drawn("12.1", where=case["fault"].where, wraps=case["setup"]["n_items"] % case["setup"]["batch_size"] != 0)
-        _resume_case(train_resumable, case)
+        _resume_case(train_resumable, case, reference)
     return (f"{len(cases)} killed runs ({'; '.join(_describe_case(c) for c in cases)}): each resumed from the "
             f"last complete checkpoint and matched the uninterrupted run bit for bit")
 

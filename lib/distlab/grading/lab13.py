@@ -36,7 +36,7 @@ from distlab.data.shards import SHARD_DTYPE
 from distlab.fault_tolerance.checkpoint import CheckpointError, checkpoint_path, save_checkpoint
 from distlab.grading import quiz
 from distlab.grading.contract import CheckFailed, describe_error
-from distlab.grading.harness import lab_seed, raise_if_untouched
+from distlab.grading.harness import lab_seed, raise_if_untouched, run_isolated
 from distlab.grading.registry import Exercise
 from distlab.memory import bytes_per_param
 from distlab.model import GPT, GPTConfig
@@ -293,6 +293,15 @@ def _advance(state: GridTrainState, steps: int) -> None:
         state.step += 1
 
 
+def _resume_job(resume, directory: str, cfg: GPTConfig, tokens, seed: int):
+    """13.3 where the student's code runs: a fresh state resumed from ``directory``; the step it returned and the
+    state after it (the weights, Adam's first moments, the loader's position), which the checker compares."""
+    state = _train_state(cfg, tokens, seed)
+    start = resume(directory, state)
+    moments = {i: s.get("exp_avg") for i, s in enumerate(state.optimizer.state.values())}
+    return start, state.stage.state_dict(), moments, state.loader.state_dict()
+
+
 def check_resume(resume) -> str:
     """13.3: ``resume(ckpt_dir, state)`` loads the newest committed checkpoint and returns the next step."""
     raise_if_untouched(resume)
@@ -303,13 +312,12 @@ def check_resume(resume) -> str:
         tokens = np.array([rng.randrange(64) for _ in range(400)], dtype=SHARD_DTYPE)
         tokens.tofile(tmp / "tokens.bin")
         seed, every = rng.randrange(1000), rng.choice([2, 3])
-        empty = _train_state(cfg, tmp / "tokens.bin", seed)
-        before = {k: v.clone() for k, v in empty.stage.state_dict().items()}
-        start = resume(str(tmp / "none"), empty)
+        before = {k: v.clone() for k, v in _train_state(cfg, tmp / "tokens.bin", seed).stage.state_dict().items()}
+        start, after, _, _ = run_isolated(_resume_job, resume, str(tmp / "none"), cfg, tmp / "tokens.bin", seed)
         if start != 0:
             raise CheckFailed(f"with no checkpoint in the directory, resume returned {start!r}: a fresh job starts at "
                               f"step 0")
-        if any(not torch.equal(before[k], v) for k, v in empty.stage.state_dict().items()):
+        if any(not torch.equal(before[k], v) for k, v in after.items()):
             raise CheckFailed("with no checkpoint in the directory, resume changed the weights: leave a fresh state")
         live = _train_state(cfg, tmp / "tokens.bin", seed)
         root = tmp / "ckpt"
@@ -324,9 +332,9 @@ def check_resume(resume) -> str:
         partial = checkpoint_path(root, live.step).with_name(checkpoint_path(root, live.step).name + ".partial")
         partial.mkdir(parents=True)
         (partial / "__0_0.distcp").write_bytes(b"half a shard")
-        fresh = _train_state(cfg, tmp / "tokens.bin", seed)
         try:
-            start = resume(str(root), fresh)
+            start, state, got_moments, position_after = run_isolated(_resume_job, resume, str(root), cfg,
+                                                                      tmp / "tokens.bin", seed)
         except CheckpointError as error:
             if "partial" in str(error) or "incomplete" in str(error):
                 raise CheckFailed(f"resume tried to load a checkpoint that was never committed: {error} — take the "
@@ -334,7 +342,7 @@ def check_resume(resume) -> str:
             raise CheckFailed(f"the checkpoint did not load: {error} — load state.checkpoint, this rank's entry "
                               f"keyed by its rank, as the job saved it") from None
         untouched = _train_state(cfg, tmp / "tokens.bin", seed).stage.state_dict()
-        if all(torch.equal(v, untouched[k]) for k, v in fresh.stage.state_dict().items()):
+        if all(torch.equal(v, untouched[k]) for k, v in state.items()):
             raise CheckFailed(f"resume did not load the checkpoint into the state (it returned {start!r}, the weights "
                               f"are still the fresh model's): load_checkpoint(state.checkpoint, path) fills the "
                               f"weights, Adam's moments, the loader's position and state.step")
@@ -343,17 +351,16 @@ def check_resume(resume) -> str:
                     (committed + 1, committed - 1) else "")
             raise CheckFailed(f"resume returned {start!r}; the newest committed checkpoint is step_{committed:08d}, "
                               f"so the job continues with step {committed}{hint}")
-        name, diff = max(((k, (v - weights[k]).abs().max().item()) for k, v in fresh.stage.state_dict().items()),
+        name, diff = max(((k, (v - weights[k]).abs().max().item()) for k, v in state.items()),
                          key=lambda item: item[1])
         if diff > 0:
             raise CheckFailed(f"after resume, {name} differs from the checkpoint's by {diff:.2e}: load the checkpoint "
                               f"into the state (load_checkpoint(state.checkpoint, path)) before returning")
-        got_moments = {i: s.get("exp_avg") for i, s in enumerate(fresh.optimizer.state.values())}
         if any(got_moments.get(i) is None or not torch.equal(got_moments[i], m) for i, m in moments.items()):
             raise CheckFailed("after resume the weights are right but Adam's moments are not the checkpoint's: load "
                               "the whole training state, not only the model")
-        if fresh.loader.state_dict() != position:
-            raise CheckFailed(f"after resume the loader is at {fresh.loader.state_dict()['position']}, the "
+        if position_after != position:
+            raise CheckFailed(f"after resume the loader is at {position_after['position']}, the "
                               f"checkpoint's position is {position['position']}: the next batches would repeat or "
                               f"skip tokens; load the whole training state")
         return (f"no checkpoint: step 0; with step_{committed:08d} committed and a partial one beside it: its weights, "

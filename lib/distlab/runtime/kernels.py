@@ -6,7 +6,8 @@ once: one process imports everything (and whatever modules its caller names, e.g
 and starts distlab's forkserver, and each notebook gets a kernel *forked* from it (its own process,
 nothing shared with the other kernels but the read-only imports and the forkserver its ranks are
 started from). :func:`kernel_manager_class` and :func:`notebook_client` run a notebook on such a kernel,
-or on a fresh one.
+or on a fresh one. The factory itself is a :class:`ForkFactory`, which ``distlab grade`` also uses for the
+processes that grade each exercise apart from the student's kernel (:mod:`distlab.grading.isolation`).
 
 Linux only for the factory (``fork`` and file descriptors passed over a Unix socket); everywhere else
 kernels start fresh. Who preloads what is the caller's business: this module imports nothing of
@@ -38,10 +39,12 @@ from typing import Sequence
 import nbformat
 import numpy
 
+from distlab.runtime import confine, group
 from distlab.runtime.group import forkserver_context
 from distlab.runtime.output import HEADLESS_ENV
 
-__all__ = ["KernelFactory", "serve_kernels", "kernel_manager_class", "notebook_client", "SHELL_POLL_SECONDS"]
+__all__ = ["ForkFactory", "KernelFactory", "serve_forks", "adopt_forkserver", "disown_forkserver",
+           "kernel_manager_class", "notebook_client", "SHELL_POLL_SECONDS"]
 
 # Started by jupyter_client as the "kernel": it asks the factory for a forked kernel, hands it its
 # stdio and a lifeline (the kernel exits when this process does, however it ends), forwards signals
@@ -72,42 +75,61 @@ sys.exit(int(line) if line.strip() else 1)
 """
 
 
-class KernelFactory:
-    """One process that imported ipykernel, torch, matplotlib, distlab and the modules in ``preload``, and
-    started distlab's forkserver; every kernel it makes is a fork of it, so a notebook starts warm.
+class ForkFactory:
+    """One process that imported ipykernel's and distlab's dependencies and the modules in ``preload``, and started
+    distlab's forkserver; each request forks a child of it that runs ``child`` (``"module:function"``, called
+    with the request and the file descriptors that came with it), so the child starts warm.
 
-    ``preload`` names what every kernel will import anyway (a grader passes the labs' checker modules,
-    and through them the topics'): imported once here, before the forks, it costs each kernel nothing.
-    Forked kernels share nothing writable: each student's code runs in its own process,
-    and its ranks are forked from the shared forkserver (which only ever imported torch).
-    Linux only (it needs ``fork`` and passing file descriptors over a Unix socket).
+    ``preload`` names what every child will import anyway (a grader passes the labs' checker modules, and
+    through them the topics'): imported once here, before the forks, it costs each child nothing; ``rank_preload``
+    what every rank its children start will import (a grading process's jobs unpickle the checker's workers).
+    Forked children share nothing writable, and their ranks are forked from the shared forkserver (which only
+    ever imported torch). ``env`` is the factory's whole environment, and so its children's: a factory whose
+    children run students' code gets one without the grader's secrets
+    (:func:`~distlab.runtime.confine.clean_environment`); ``isolated`` starts it with ``python -I``, so it imports
+    only from the installation (:func:`~distlab.runtime.confine.import_path`).
+    The factory's memory cannot be read by its children's processes, and it ends the processes they leave behind
+    (:mod:`distlab.runtime.confine`). Linux only (``fork`` and passing file descriptors over a Unix socket).
     """
 
     READY_TIMEOUT = 180.0
 
-    def __init__(self, preload: Sequence[str] = ()):
+    def __init__(self, child: str, preload: Sequence[str] = (), env: dict | None = None, isolated: bool = False,
+                 rank_preload: Sequence[str] = ()):
         if not self.available():
-            raise RuntimeError("a warm kernel factory needs Linux (fork and Unix-socket fd passing)")
-        self._dir = tempfile.mkdtemp(prefix="distlab-kernels-")
+            raise RuntimeError("a warm factory needs Linux (fork and Unix-socket fd passing)")
+        self._dir = tempfile.mkdtemp(prefix="distlab-forks-")
         self.address = os.path.join(self._dir, "factory")
-        code = "import sys; from distlab.runtime.kernels import serve_kernels; serve_kernels(sys.argv[1], sys.argv[2:])"
-        self._process = subprocess.Popen([sys.executable, "-c", code, self.address, *preload],
-                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True)
+        code = ("import sys, json; from distlab.runtime.kernels import serve_forks; "
+                "serve_forks(*sys.argv[1:3], **json.loads(sys.argv[3]))")
+        flags = ["-I"] if isolated else []  # -I: no current folder, PYTHON* variables or user site on its path
+        lists = json.dumps({"preload": list(preload), "rank_preload": list(rank_preload)})
+        self._process = subprocess.Popen([sys.executable, *flags, "-c", code, self.address, child, lists],
+                                         stdin=subprocess.PIPE, stdout=subprocess.PIPE, start_new_session=True,
+                                         env=env)
+        self.pid = self._process.pid
         ready, _, _ = select.select([self._process.stdout], [], [], self.READY_TIMEOUT)
         line = self._process.stdout.readline() if ready else b""
         if line.strip() != b"ready":
             self.close()
-            raise RuntimeError(f"the kernel factory did not start (it said {line!r})")
+            raise RuntimeError(f"the factory did not start (it said {line!r})")
 
     @staticmethod
     def available() -> bool:
         return sys.platform.startswith("linux") and hasattr(socket, "send_fds") and hasattr(os, "fork")
 
-    def kernel_argv(self) -> list[str]:
-        return [sys.executable, "-c", _KERNEL_SHIM, self.address, "-f", "{connection_file}"]
+    def fork(self, request: dict, fds: Sequence[int]) -> tuple[socket.socket, int]:
+        """Fork a child for ``request`` (JSON), handing it ``fds``; the connection (which says the child's exit
+        status when it ends, then closes) and the child's pid."""
+        sock = socket.socket(socket.AF_UNIX)
+        sock.connect(self.address)
+        socket.send_fds(sock, [b"k"], list(fds))
+        sock.sendall(json.dumps(request).encode() + b"\n")
+        stream = sock.makefile("rb")
+        return sock, int(stream.readline())
 
     def close(self) -> None:
-        """Stop the factory; kernels still running are ended by it."""
+        """Stop the factory; children still running are ended by it."""
         if self._process.poll() is None:
             self._process.stdin.close()
             try:
@@ -118,36 +140,57 @@ class KernelFactory:
         self._process.stdout.close()
         shutil.rmtree(self._dir, ignore_errors=True)
 
-    def __enter__(self) -> "KernelFactory":
+    def __enter__(self):
         return self
 
     def __exit__(self, *exc) -> None:
         self.close()
 
 
-def serve_kernels(address: str, preload: Sequence[str] = ()) -> None:
-    """The factory process: import once (``preload`` too), start the forkserver, then fork a kernel per request.
+class KernelFactory(ForkFactory):
+    """A :class:`ForkFactory` of IPython kernels: each notebook gets a kernel forked from it, so it starts warm
+    (:func:`kernel_manager_class` asks it for one through :data:`_KERNEL_SHIM`)."""
 
-    Ends (and kills its kernels) when its standard input closes, i.e. when the grader ends.
+    def __init__(self, preload: Sequence[str] = (), env: dict | None = None):
+        super().__init__("distlab.runtime.kernels:_become_kernel", ("ipykernel.kernelapp", *preload), env)
+
+    def kernel_argv(self) -> list[str]:
+        return [sys.executable, "-c", _KERNEL_SHIM, self.address, "-f", "{connection_file}"]
+
+
+def serve_forks(address: str, child: str, preload: Sequence[str] = (), rank_preload: Sequence[str] = ()) -> None:
+    """The factory process: import once (``preload`` too), start the forkserver (which imports ``rank_preload``
+    too, so the ranks the children start have it), then fork a child per request that runs ``child``
+    (``"module:function"``, which never returns).
+
+    Ends (and kills its children) when its standard input closes, i.e. when its owner ends. Every second it ends
+    the processes its children left behind: as a subreaper it adopts them, and any child of it that is neither
+    one it forked nor the forkserver is such an orphan.
     """
     os.environ.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
-    import ipykernel.kernelapp  # noqa: F401, PLC0415  what every kernel imports; only the factory needs it
+    confine.seal_memory()
+    confine.keep_orphans()
     import matplotlib.pyplot  # noqa: F401, PLC0415  after MPLBACKEND is set: the backend is chosen on import
 
     for module in preload:
         importlib.import_module(module)
+    module, function = child.split(":")
+    become = getattr(importlib.import_module(module), function)
+    group.preload(*rank_preload)
     context = forkserver_context()
     if context.get_start_method() == "forkserver":
         # The server answers only once it has imported torch: fork one process through it now, so that
-        # the kernels' first launch does not wait for those imports.
+        # the children's first launch does not wait for those imports.
         probe = context.Process(target=os.getpid, name="distlab-factory-probe")
         probe.start()
         probe.join()
+    server_pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(address)
     listener.listen(64)
-    kernels: dict[int, socket.socket] = {}
+    children: dict[int, socket.socket] = {}
     print("ready", flush=True)
+    swept = time.monotonic()
     try:
         while True:
             ready, _, _ = select.select([listener, sys.stdin], [], [], 0.05)
@@ -155,33 +198,56 @@ def serve_kernels(address: str, preload: Sequence[str] = ()) -> None:
                 return
             if listener in ready:
                 conn, _ = listener.accept()
-                _, fds, _, _ = socket.recv_fds(conn, 1, 4)
+                _, fds, _, _ = socket.recv_fds(conn, 1, 8)
                 request = json.loads(conn.makefile("rb").readline())
                 pid = os.fork()
                 if pid == 0:
                     listener.close()
-                    for other in [conn, *kernels.values()]:
+                    for other in [conn, *children.values()]:
                         other.close()
-                    _become_kernel(request, fds)  # never returns
+                    become(request, fds)  # never returns
+                    os._exit(1)
                 for fd in fds:
                     os.close(fd)
                 conn.sendall(f"{pid}\n".encode())
-                kernels[pid] = conn
-            for pid, conn in list(kernels.items()):
-                done, status = os.waitpid(pid, os.WNOHANG)
+                children[pid] = conn
+            for pid, conn in list(children.items()):
+                try:
+                    done, status = os.waitpid(pid, os.WNOHANG)
+                except ChildProcessError:  # collected already: its status is lost, and the shim ends its kernel
+                    done, status = pid, 1 << 8
                 if done:
                     try:
                         conn.sendall(f"{os.waitstatus_to_exitcode(status)}\n".encode())
                     except OSError:
                         pass
                     conn.close()
-                    del kernels[pid]
+                    del children[pid]
+            if time.monotonic() - swept > 1.0:
+                swept = time.monotonic()
+                if context.get_start_method() == "forkserver":
+                    server_pid = _revive_forkserver(context, server_pid)
+                tracker = getattr(resource_tracker._resource_tracker, "_pid", None)  # multiprocessing's helper
+                _end_strays(set(children) | {server_pid, tracker})
     finally:
-        for pid in kernels:
+        for pid in children:
             try:
                 os.kill(pid, signal.SIGKILL)
             except ProcessLookupError:
                 pass
+
+
+def _end_strays(known: set) -> None:
+    """Kill the factory's children it did not fork (orphans it adopted) and collect them; the children it forked
+    are collected by the serving loop, which must see their exit status."""
+    for pid in confine.children():
+        if pid in known:
+            continue
+        try:
+            os.kill(pid, signal.SIGKILL)
+            os.waitpid(pid, 0)
+        except (ProcessLookupError, PermissionError, ChildProcessError):
+            pass
 
 
 def _become_kernel(request: dict, fds: list[int]) -> None:
@@ -199,12 +265,13 @@ def _become_kernel(request: dict, fds: list[int]) -> None:
             os._exit(1)
 
         threading.Thread(target=exit_with_the_shim, daemon=True, name="distlab-lifeline").start()
+        confine.seal_memory(False)  # the factory's memory is sealed; a kernel's is the student's own
         os.chdir(request["cwd"])
         os.environ.clear()
         os.environ.update(request["env"])
         random.seed()  # forked children would otherwise all draw the factory's random numbers
         numpy.random.seed()
-        _adopt_forkserver()
+        adopt_forkserver()
         from ipykernel.kernelapp import IPKernelApp  # noqa: PLC0415  imported by the factory before it forked
 
         app = IPKernelApp.instance()
@@ -226,31 +293,73 @@ def _become_kernel(request: dict, fds: list[int]) -> None:
             os._exit(code)
 
 
-def _adopt_forkserver() -> None:
+def adopt_forkserver() -> None:
     """A kernel forked from the factory starts its ranks from the factory's forkserver.
 
     The forked kernel inherits the server's address and "alive" pipe, but the server is
     not its child, so multiprocessing's own liveness check (``waitpid``) would fail: check
-    with a signal 0 instead, and start a server of our own only if the factory's is gone.
+    that the process is there and not a zombie instead, and start a server of our own only if
+    the factory's is gone.
     """
     server = getattr(forkserver, "_forkserver", None)
     pid = getattr(server, "_forkserver_pid", None)
     if pid is None:
         return
-    start_own = type(server).ensure_running.__get__(server)
 
     def ensure_running():
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            if server._forkserver_alive_fd is not None:
-                os.close(server._forkserver_alive_fd)
-            server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None
-            server.ensure_running = start_own
-            return start_own()
+        if not _running(pid):
+            disown_forkserver()
+            return server.ensure_running()
         resource_tracker.ensure_running()
 
     server.ensure_running = ensure_running
+
+
+def disown_forkserver() -> None:
+    """Forget the forkserver this process inherited (a dead one, or one a process of a student's must not share):
+    its next launch starts a server of its own."""
+    server = getattr(forkserver, "_forkserver", None)
+    if server is None:
+        return
+    if server._forkserver_alive_fd is not None:
+        try:
+            os.close(server._forkserver_alive_fd)
+        except OSError:
+            pass
+    server._forkserver_address = server._forkserver_alive_fd = server._forkserver_pid = None
+    server.__dict__.pop("ensure_running", None)  # multiprocessing's own again, for a server of this process
+
+
+def _running(pid: int) -> bool:
+    """Whether process ``pid`` exists and has not ended (a zombie, not yet collected by its parent, has)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            stat = handle.read()
+        return stat[stat.rindex(b")") + 2:][:1] != b"Z"
+    except OSError:
+        return True  # no /proc: signal 0 is all there is
+
+
+def _revive_forkserver(context, pid: int | None) -> int | None:
+    """The factory's forkserver, started again if it died (CPython's ends when a client disconnects before it has
+    sent its descriptors, as one a student's code killed would), so the next child finds one; its pid."""
+    if pid is None or _running(pid):
+        return pid
+    try:
+        os.waitpid(pid, 0)
+    except ChildProcessError:
+        pass
+    disown_forkserver()
+    probe = context.Process(target=os.getpid, name="distlab-factory-probe")
+    probe.start()
+    probe.join()
+    return getattr(forkserver._forkserver, "_forkserver_pid", None)
 
 
 def kernel_manager_class(workdir: str, factory: KernelFactory | None = None):
