@@ -37,6 +37,7 @@ from distlab.grading.submissions import (
 )
 from distlab.mutants import MAX_PER_EXERCISE
 from distlab.notebooks import REPO_ROOT, build_labs, execute, set_kernelspec, stale_kernelspecs, tag_grader_skips
+from distlab.runtime.progress import progress as progress_bar
 
 # Subcommands that own their argument parsing: name -> "module:function(argv) -> int".
 DELEGATED = {"data": "distlab.data.cli:main", "doctor": "distlab.doctor:main"}
@@ -134,11 +135,6 @@ def _grade(args) -> int:
     seed = args.seed if args.seed is not None else secrets.randbelow(10**9)  # fresh hidden cases per grading run
     started = time.perf_counter()
 
-    def progress(done: int, total: int, grade) -> None:
-        note = f", {grade.error}" if grade.error else ""
-        print(f"[{done}/{total}] {grade.student}: {grade.points}/{grade.max_points} points, "
-              f"{grade.seconds:.0f} s{note}", file=sys.stderr, flush=True)
-
     previous = previous_grades(args.json) if args.changed else {}
     kept = [NotebookGrade(**{k: v for k, v in previous[(student, content_hash(path))].items()
                              if k in NotebookGrade.__dataclass_fields__ and k != "reused"}, reused=True)
@@ -147,14 +143,26 @@ def _grade(args) -> int:
     jobs = args.jobs or None
     print(f"grading {len(todo)} notebook(s){f' ({len(kept)} unchanged since the last report)' if kept else ''}, "
           f"{jobs or 'auto'} at a time, at most {args.timeout:g} s each …", file=sys.stderr, flush=True)
+    # A bar of the notebooks (rate, ETA) on an instructor's terminal, each notebook's line printed above it;
+    # where nobody watches (CI, a log file) only the lines.
+    bar = progress_bar(total=len(todo), desc="grading", unit="notebook")
+
+    def notebook_done(done: int, total: int, grade) -> None:
+        note = f", {grade.error}" if grade.error else ""
+        bar.write(f"[{done}/{total}] {grade.student}: {grade.points}/{grade.max_points} points, "
+                  f"{grade.seconds:.0f} s{note}", file=sys.stderr)
+        bar.update()
+
     try:
         grades = grade_notebooks([p for p, _ in todo], timeout=args.timeout, jobs=jobs, warm=not args.cold,
-                                 progress=progress, students=[s for _, s in todo], all_cells=args.all_cells,
+                                 progress=notebook_done, students=[s for _, s in todo], all_cells=args.all_cells,
                                  secret=secret, seed=seed) if todo else []
     except InstallationChanged as error:  # nothing is written: no grade of this run can be trusted
         print(f"distlab grade: {error}; reinstall (make install) and grade in a container or as a user of its "
               "own (course/instructor_guide.md)", file=sys.stderr)
         return 2
+    finally:
+        bar.close()
     for grade in grades + kept:
         if deadline is not None:
             grade.submitted = times[grade.student].isoformat()

@@ -4,6 +4,7 @@ hanging notebook reported for what it is. (A blank, a wrong and a correct notebo
 tests/test_instructor_guide.py, whose guide grades exactly those.)"""
 
 import json
+import re
 from pathlib import Path
 
 import nbformat
@@ -153,3 +154,22 @@ def test_a_missing_times_file_or_a_pattern_that_matched_nothing_is_one_line_and_
     err = capsys.readouterr().err.strip()
     assert err.startswith(f"distlab grade: no such notebook: {pattern}") and len(err.splitlines()) == 1, err
     assert f"pass the folder: distlab grade {tmp_path / 'submissions'}/" in err
+
+
+def test_an_instructors_terminal_shows_a_bar_of_the_notebooks_and_a_log_only_the_lines(tmp_path, monkeypatch, capfd):
+    """A class takes minutes: where a person watches, a bar (rate, ETA) under each notebook's line; where nobody
+    does (pytest, CI, a log file), the lines alone."""
+    from distlab.cli import main
+    from distlab.runtime import progress
+
+    notebook = nbformat.v4.new_notebook()
+    notebook.cells = [nbformat.v4.new_code_cell("x = 1")]
+    nbformat.write(notebook, tmp_path / "00_setup.ipynb")  # lab 00 with nothing done: graded in seconds
+    arguments = ["grade", str(tmp_path / "00_setup.ipynb"), "--cold", "--json", str(tmp_path / "grades.json")]
+    assert main(arguments) == 1
+    logged = capfd.readouterr().err
+    assert "[1/1] 00_setup: 0/7 points" in logged and "grading:" not in logged, logged
+    monkeypatch.setattr(progress, "audience", lambda: "terminal")
+    assert main(arguments) == 1
+    drawn = capfd.readouterr().err.replace("\r", "\n")
+    assert "[1/1] 00_setup: 0/7 points" in drawn and re.search(r"grading: 100%\|.*\| 1/1 \[", drawn), drawn
