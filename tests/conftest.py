@@ -1,6 +1,7 @@
 """Shared test set-up: offline tokenizer files, and a guard that no rank process outlives a test."""
 
 import os
+import signal
 import time
 from pathlib import Path
 
@@ -34,6 +35,24 @@ def no_leftover_ranks():
         time.sleep(0.05)
     left = rank_processes()
     assert not left, f"rank processes left behind: {[(p.pid, p.name()) for p in left]}"
+
+
+def _interrupt_disposition():
+    return signal.getsignal(signal.SIGINT), frozenset(signal.pthread_sigmask(signal.SIG_BLOCK, []))
+
+
+_SESSION_INTERRUPTS = _interrupt_disposition()
+
+
+@pytest.fixture(autouse=True)
+def interrupts_left_as_found():
+    """Every test leaves Ctrl-C as it found it: the SIGINT handler and the blocked signals. A process that ignores
+    or blocks SIGINT passes that on to every process it starts, so a later test's "interrupt a launch" would
+    wait out its ranks instead (a make test once failed that way, far from the test that changed it)."""
+    yield
+    after = _interrupt_disposition()
+    assert after == _SESSION_INTERRUPTS, (f"SIGINT's handler and mask are {after} after this test (or a fixture of "
+                                          f"its module), not {_SESSION_INTERRUPTS} as the session began")
 
 
 @pytest.fixture(autouse=True)

@@ -495,13 +495,6 @@ class Outcome:
     status: str = ""  # the check's: passed, failed, hung
 
 
-def _adopt_forkserver() -> None:
-    """In a forked child: start ranks from the forkserver the tool's process started (its imports paid once)."""
-    from distlab.runtime.kernels import _adopt_forkserver as adopt  # noqa: PLC0415  the runtime's own way
-
-    adopt()
-
-
 # The intra-op threads a check runs with: torch's default, given back to each forked check (:func:`check_threads`).
 _CHECK_THREADS: list[int] = []
 
@@ -537,7 +530,9 @@ def _in_child(write_fd: int, job: Callable[[], dict]) -> None:
         devnull = os.open(os.devnull, os.O_WRONLY)
         os.dup2(devnull, 1)
         os.dup2(devnull, 2)
-        _adopt_forkserver()
+        from distlab.runtime.kernels import adopt_forkserver  # noqa: PLC0415  only a forked child needs it
+
+        adopt_forkserver()  # ranks from the forkserver the tool's process started (its imports paid once)
         result = job()
     except BaseException as error:  # noqa: BLE001  the tool's own failure, reported, never a hang
         result = {"status": "tool error", "detail": f"{type(error).__name__}: {error}"}

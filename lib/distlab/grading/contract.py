@@ -11,6 +11,7 @@ stand on it.
 
 from __future__ import annotations
 
+import os
 import re
 import traceback
 from collections.abc import Mapping
@@ -83,12 +84,18 @@ def describe_error(error: BaseException) -> str:
     return f"{text}{SLIP_SAID}{slip.says}" if slip else text
 
 
+# distlab's own files, by where the package is: a user's clone is often a folder named distlab too, and their
+# files in it are theirs.
+_PACKAGE = os.path.dirname(os.path.dirname(os.path.abspath(__file__))) + os.sep
+
+
 def student_frame(error: BaseException) -> str:
     """``"line 7: total += x"`` for the innermost traceback frame in a notebook cell or a user's file, or ""."""
     frames = traceback.extract_tb(error.__traceback__) if error.__traceback__ else []
     for frame in reversed(frames):
         name = frame.filename.replace("\\", "/")
-        if "/distlab/" in name or "site-packages" in name or "/lib/python" in name or name.startswith("<frozen"):
+        if (os.path.abspath(frame.filename).startswith(_PACKAGE) or "site-packages" in name or "/lib/python" in name
+                or name.startswith("<frozen")):
             continue
         line = (frame.line or "").strip()
         return f"line {frame.lineno}: {line}" if line else f"line {frame.lineno}"
