@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 import sys
 import tempfile
@@ -72,6 +73,11 @@ def main(argv: list[str]) -> int:
         return 2
     command = argv[argv.index("--") + 1:]
     scratch = Path(tempfile.mkdtemp(prefix=PREFIX))
+    # Ctrl-C as a person's terminal has it. A command started in the background by a script (`make test &`, some CI
+    # runners) inherits SIGINT ignored, and an ignored signal stays ignored through exec: every interrupt test would
+    # then wait out its ranks. A handler of Python's own is reset to the default in the command.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    signal.pthread_sigmask(signal.SIG_UNBLOCK, {signal.SIGINT})
     try:
         status = subprocess.call(command, env=fresh_environment(scratch))
     except KeyboardInterrupt:

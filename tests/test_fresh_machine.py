@@ -3,6 +3,7 @@ leftovers that made an earlier release pass on our machines and fail on a new on
 through the runner, and checking that the part neither saw them nor changed anything outside its scratch folder."""
 
 import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -74,3 +75,14 @@ def test_a_failed_run_keeps_its_scratch_folder_and_says_where(tmp_path):
     assert done.returncode == 3 and len(kept) == 1 and (kept[0] / "tmp" / "left").is_file()
     assert f"its scratch folder is kept: {kept[0]}" in done.stderr
     assert subprocess.run([sys.executable, str(RUNNER)], capture_output=True, text=True).returncode == 2
+
+
+def test_a_run_started_with_ctrl_c_ignored_gets_it_back(tmp_path):
+    """A script's background job (`make test &`) starts with SIGINT ignored, which exec passes on: the runner gives
+    the suite a person's Ctrl-C, so the interrupt tests test the launcher, not how the suite was started."""
+    shown = "import signal; print(signal.getsignal(signal.SIGINT), signal.pthread_sigmask(signal.SIG_BLOCK, []))"
+    done = subprocess.run([sys.executable, str(RUNNER), "--", sys.executable, "-c", shown], capture_output=True,
+                          text=True, env={**os.environ, "TMPDIR": str(tmp_path)}, timeout=120,
+                          preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.strip() == "<built-in function default_int_handler> set()", done.stdout
