@@ -43,7 +43,9 @@ $(STAMP): pyproject.toml $(LOCK)
 	# cloudpickle 3.1.2, the last release that kept code objects' file names, beside the locked one:
 	# tests/test_payload.py runs the ranks' error reports under both
 	$(REAL_PY) -m pip install -q --no-deps --upgrade --target $(VENV)/compat/cloudpickle-3.1.2 cloudpickle==3.1.2
-	$(REAL_PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
+	# ipykernel's install leaves the kernel spec's temporary copy behind (tmp…_kernels): made in .venv, removed
+	mkdir -p $(VENV)/tmp && TMPDIR=$(VENV)/tmp $(REAL_PY) -m ipykernel install --sys-prefix --name python3 >/dev/null
+	rm -rf $(VENV)/tmp
 	# GPT-2's BPE files for lab 10, inside the venv, so the course runs offline after this one install
 	mkdir -p $(VENV_TIKTOKEN)
 	if [ -d "$(SHARED)/tiktoken_cache" ]; then cp -f "$(SHARED)"/tiktoken_cache/* $(VENV_TIKTOKEN)/; \
@@ -92,7 +94,9 @@ test-latest:
 	$(LATEST)/bin/python tools/install_torch.py "$(TORCH_PIN)" --python $(LATEST)/bin/python
 	$(LATEST)/bin/python -m pip install -q --upgrade --upgrade-strategy eager -e ".[test]"
 	$(LATEST)/bin/python -m pip install -q --no-deps --target $(LATEST)/compat/cloudpickle-3.1.2 cloudpickle==3.1.2
-	$(LATEST)/bin/python -m ipykernel install --sys-prefix --name python3 >/dev/null
+	mkdir -p $(LATEST)/tmp && TMPDIR=$(LATEST)/tmp $(LATEST)/bin/python -m ipykernel install --sys-prefix \
+		--name python3 >/dev/null
+	rm -rf $(LATEST)/tmp
 	$(LATEST)/bin/python -m distlab lock-drift $(LOCK)
 	$(LATEST)/bin/python -m pytest -q -p no:cacheprovider $(LATEST_TESTS)
 
