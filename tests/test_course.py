@@ -46,6 +46,14 @@ def test_quoted_outputs_appear_in_the_solution_notebook(chapter):
         assert block in sources, f"{chapter.name}: this quoted output is not in the notebook any more:\n{block}"
 
 
+def test_the_readmes_quoted_outputs_are_saved_benchmark_results():
+    """The README's figures (what the install downloads) are a benchmark's saved output, rewritten by rerunning it."""
+    saved = "\n".join(_normalise(p.read_text(encoding="utf-8"))
+                      for p in (REPO / "benchmarks" / "results").glob("*.txt"))
+    blocks = [_normalise(m["body"]) for m in OUTPUT_BLOCK.finditer((REPO / "README.md").read_text(encoding="utf-8"))]
+    assert blocks and all(block in saved for block in blocks), blocks
+
+
 def test_interview_map_points_at_sections_that_exist():
     """Each question names notebook sections by heading (*in italics*); a renamed heading breaks the map."""
     headings = set()
