@@ -68,7 +68,29 @@ HERE = {
     "lookup-past-the-rows": lambda: nn.functional.embedding(torch.tensor([5]), torch.ones(3, 2)),
     "path-of-another-type": lambda: open(None),  # noqa: SIM115  the slip: a path argument that is None
     "linear-arguments-swapped": lambda: nn.functional.linear(torch.ones(4, 3), torch.ones(2, 2, 3)),
+    "empty-list-joined": lambda: torch.cat([t for t in [torch.ones(2)] if t.sum() > 5]),
+    "none-in-a-list": lambda: torch.cat([None]),
+    "ctx-attribute-unset": lambda: _CtxUnset.apply(torch.ones(2, requires_grad=True)).sum().backward(),
+    "another-type-for-a-tensor": lambda: torch.zeros(nn.Linear(2, 2).size()),
+    "p2p-op-arguments": lambda: dist.P2POp(torch.ones(1), dist.isend, 1),
+    "torch-arguments-order": lambda: torch.ones(2, 2).gather(torch.zeros(2, 1, dtype=torch.long), -1),
+    "unpacked-count": lambda: [a for a, b in zip([(1, 2, 3)])],
+    "compared-types": lambda: sorted([("F", 1), 0]),
+    "lookup-in-an-empty-table": lambda: nn.functional.embedding(torch.tensor([0]), torch.ones(0, 2)),
+    "gradient-of-another-shape": lambda: torch.ones(2, 3, requires_grad=True).sum(0).backward(torch.ones(3, 2)),
 }
+
+
+class _CtxUnset(torch.autograd.Function):
+    """A custom autograd Function whose backward reads what its forward forgot to keep."""
+
+    @staticmethod
+    def forward(ctx, x):
+        return x.view_as(x)  # the slip: ctx.scale is never set
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad * ctx.scale
 
 
 def _use_before_assigning():
@@ -103,7 +125,12 @@ def _group_where_a_tensor_belongs():
     return dist.group.WORLD.view_as(torch.ones(1))  # f(group, x) for f(x, group): the group is used as x
 
 
-ON_RANKS = {"collective-buffer-size": _gather_into_a_short_buffer, "group-for-a-tensor": _group_where_a_tensor_belongs,
+def _send_a_transpose():
+    dist.all_to_all_single(torch.empty(2, 2), torch.ones(2, 2).t())  # a transposed view, not contiguous
+
+
+ON_RANKS = {"collective-not-contiguous": _send_a_transpose,
+            "collective-buffer-size": _gather_into_a_short_buffer, "group-for-a-tensor": _group_where_a_tensor_belongs,
             "collective-returns-none": _use_what_all_reduce_returned, "peer-is-this-rank": _send_to_myself,
             "peer-outside-the-group": _partner_past_the_last_rank}
 
@@ -147,3 +174,28 @@ def test_a_check_reports_the_slip_and_the_students_line():
 def test_an_error_that_is_no_slip_is_told_as_it_is():
     error = ValueError("the student's own message")
     assert slip_of(error) is None and describe_error(error) == "ValueError: the student's own message"
+
+
+# Other errors a slip is told by (its pattern's other alternatives), each raised for real.
+ALSO = [
+    ("dtypes-mixed", lambda: nn.functional.layer_norm(torch.ones(2, 4), (4,), torch.ones(4, dtype=torch.bfloat16))),
+    ("dtypes-mixed", lambda: setattr(torch.ones(2), "grad", torch.ones(2, dtype=torch.bfloat16))),
+    ("matmul-shapes", lambda: torch.ones(2, 1, 3) @ torch.ones(2, 4, 3)),
+    ("sizes-differ", lambda: torch.ones(13).expand(4)),
+    ("sizes-differ", lambda: torch.ones(1, 3).add_(torch.ones(2, 3))),
+    ("float-size", lambda: torch.ones(4).reshape(2, 4 / 2)),
+    ("index-past-the-end", lambda: [0].__setitem__(2, 1)),
+    ("another-type-for-a-tensor", lambda: (3)[0]),  # noqa: PLE1136  the slip: a number indexed
+    ("another-type-for-a-tensor", lambda: len(3)),
+    ("another-type-for-a-tensor", lambda: [1, 2][torch.ones(2, dtype=torch.long)]),
+    ("torch-arguments-order", lambda: torch.ones(2).masked_fill(0, torch.ones(2, dtype=torch.bool))),
+    ("torch-arguments-order", lambda: torch.where(torch.zeros(2), torch.ones(2), torch.ones(2))),
+]
+
+
+@pytest.mark.parametrize("name, raise_it", ALSO)
+def test_each_error_a_slip_is_told_by_names_it(name, raise_it):
+    with pytest.raises(Exception) as raised:
+        raise_it()
+    slip = slip_of(raised.value)
+    assert slip is not None and slip.name == name, (name, type(raised.value).__name__, str(raised.value)[:200])

@@ -139,18 +139,21 @@ SLIPS = [
     Slip("backward-of-a-tensor", r"grad can be implicitly created only for scalar outputs",
          "backward() without an argument needs a scalar: reduce the output first (the loss, .sum()) or pass the "
          "upstream gradient"),
-    Slip("dtypes-mixed", r"same dtype|different dtypes|expected scalar type|Found dtype",
+    Slip("dtypes-mixed", r"same dtype|different dtypes|expected scalar type|Found dtype|mixed dtype|"
+         r"assign a gradient with dtype",
          "two dtypes meet (float32 and float64, an integer and a float): make buffers with the input's dtype "
          "(torch.empty_like(x), dtype=x.dtype)"),
-    Slip("matmul-shapes", r"shapes cannot be multiplied",
+    Slip("matmul-shapes", r"shapes cannot be multiplied|Expected size for first two dimensions of batch2 tensor",
          "a matmul's inner sizes differ: a shard cut along the wrong dimension (rows or columns?), or a weight that "
          "needs .t()"),
     Slip("sizes-differ", r"The size of tensor a \(\d+\) must match the size of tensor b|stack expects each tensor "
-         r"to be equal size|Sizes of tensors must match",
+         r"to be equal size|Sizes of tensors must match|The expanded size of the tensor|"
+         r"doesn't match the broadcast shape",
          "tensors of different sizes meet: a shard beside a whole tensor, or chunks of unequal size where the size "
          "does not divide by the world (split every side the same way)"),
     Slip("float-size", r"slice indices must be integers|'float' object cannot be interpreted as an integer|"
-         r"must be tuple of ints, not float|must be int, not float|for \^: 'int' and 'float'|for \^: 'float'|"
+         r"must be tuple of ints, not float|tuple of ints,\s*but got float|must be int, not float|"
+         r"for \^: 'int' and 'float'|for \^: 'float'|"
          r"tensors used as indices must be long, int, byte or bool",
          "a size or an index came out a float: / always gives a float; use // (integer division) for sizes and "
          "indices"),
@@ -185,7 +188,7 @@ SLIPS = [
          "a module's parameter replaced by a plain tensor: wrap it, nn.Parameter(tensor)"),
     Slip("dim-out-of-range", r"Dimension out of range",
          "a dim past the tensor's dimensions: they count from 0 (a 2-D tensor has 0 and 1; -1 is the last)"),
-    Slip("index-past-the-end", r"index -?\d+ is out of bounds for dimension|list index out of range",
+    Slip("index-past-the-end", r"index -?\d+ is out of bounds for dimension|list (assignment )?index out of range",
          "an index past the end: the global rank where the rank in the group is meant (dist.get_rank(group)), or "
          "a loop one step too long"),
     Slip("size-of-another-shape", r"shape '\[[\d, ]*\]' is invalid for input of size",
@@ -209,6 +212,42 @@ SLIPS = [
     Slip("lookup-past-the-rows", r"index out of range in self",
          "an index past a lookup table's rows (F.embedding, index_select): shift the ids by the shard's first row "
          "and mask the ids outside it"),
+    Slip("empty-list-joined", r"expected a non-empty list of Tensors",
+         "torch.cat/stack got an empty list: the loop that fills it ran zero times (check its range and its guard) "
+         "or its .append was lost"),
+    Slip("none-in-a-list", r"expected Tensor as element \d+ in argument \d+, but got NoneType",
+         "a list handed to torch.cat/stack holds None: a variable a loop should set stayed None (the loop ran zero "
+         "times or skipped every step), or a function has no return"),
+    Slip("ctx-attribute-unset", r"'\w+Backward' object has no attribute",
+         "backward reads a ctx attribute that forward never set: set ctx.<name> in forward before its return"),
+    Slip("another-type-for-a-tensor", r"'(?!NoneType)\w+' object has no attribute '(size|shape|dim|ndim|numel|"
+         r"contiguous|dtype|device|view|reshape|clone|detach|t)'|'(int|float)' object is not subscriptable|"
+         r"object of type '(int|float)' has no len\(\)|only integer tensors of a single element can be converted to "
+         r"an index",
+         "a value of another type where a tensor, a list or a number belongs (a module or a number for a tensor, a "
+         "tensor for a rank): check the order of the call's arguments"),
+    Slip("p2p-op-arguments", r"Expected ``op`` to be of type ``torch\.distributed\.isend``",
+         "dist.P2POp(op, tensor, peer) takes the function (dist.isend or dist.irecv) first, then the tensor, then "
+         "the peer's rank"),
+    Slip("torch-arguments-order", r"received an invalid combination of arguments|argument '\w+' \(position \d+\) "
+         r"must be \w+, not \w+|where expected condition to be a boolean tensor",
+         "a torch function got arguments of the wrong types: check their order against its signature "
+         "(gather(dim, index), masked_fill(mask, value), where(condition, x, y))"),
+    Slip("unpacked-count", r"too many values to unpack|not enough values to unpack",
+         "an unpacking (a, b = ..., for a, b in ...) got another number of values: check what the right side "
+         "returns, and the order of zip's arguments"),
+    Slip("compared-types", r"not supported between instances of '\w+' and '\w+'",
+         "a comparison between a number and a value of another type (a str, a tuple): check the order of a call's "
+         "arguments"),
+    Slip("collective-not-contiguous", r"Tensors must be contiguous",
+         "a collective needs contiguous memory: after a transpose, permute or slice call .contiguous() on what "
+         "you send"),
+    Slip("lookup-in-an-empty-table", r"self indexing axis dim should be positive",
+         "a lookup (index_select, F.embedding) into a table with no rows: the slice of the weight is empty; check "
+         "its start and end"),
+    Slip("gradient-of-another-shape", r"Mismatch in shape: grad_output\[0\] has a shape of",
+         "the gradient passed to backward has another shape than its output: check the shape of the buffer the "
+         "gradient is received into"),
     Slip("path-of-another-type", r"expected str, bytes or os\.PathLike object, not",
          "a path was expected and got something else: check the order of the call's arguments, and that the path "
          "is not None"),
