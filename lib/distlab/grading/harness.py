@@ -54,6 +54,7 @@ __all__ = ["Edge", "case_drawn", "cases_drawn", "uncovered", "GRADE_SEED_VARIABL
            "LONG_JOB_TIMEOUT", "ATOL", "WEIGHT_ATOL", "WORLD_SIZES",
            "RANK_GROUP_COLLECTIVE_TIMEOUT", "lab_seed", "rank_seed", "random_tensor", "case_gradient_bytes",
            "raise_if_untouched", "launch_failures_fail_the_check", "run_on_ranks", "rank_group", "run_job", "ops_used",
+           "Waits", "p2p_waits_counted",
            "max_difference", "Tolerance", "ROUNDING_ULPS", "DEFAULT_TERMS", "tolerance", "is_close", "assert_close",
            "plain", "with_reference", "stub_message", "run_isolated"]
 
@@ -256,6 +257,59 @@ def ops_used(log=None) -> dict[str, int]:
     """Inside a rank: how many times each torch.distributed op was called so far in this job."""
     log = log or comm.current_log()
     return {op: stats.calls for op, stats in log.ops.items() if stats.calls}
+
+
+@dataclass
+class Waits:
+    """The point-to-point handles a block posted (:func:`p2p_waits_counted`) and how many were never waited for."""
+
+    posted: list
+
+    @property
+    def unwaited(self) -> int:
+        return sum(not work.waited for work in self.posted)
+
+
+class _CountedWork:
+    def __init__(self, work):
+        self.work, self.waited = work, False
+
+    def wait(self, *args, **kwargs):
+        self.waited = True
+        return self.work.wait(*args, **kwargs)
+
+    def __getattr__(self, name):
+        return getattr(self.work, name)
+
+
+@contextmanager
+def p2p_waits_counted():
+    """Inside a rank: the handles ``dist.isend``/``irecv`` return in the block (``batch_isend_irecv`` returns
+    theirs), each told whether it was waited for. gloo completes a send or receive nobody waits for (NCCL need
+    not, and the buffer may be read before it arrives), so an unwaited handle is invisible in the values a
+    check compares. Both the package's names and ``distributed_c10d``'s are replaced, as comm's are, so that
+    ``P2POp``'s check accepts the counted ``dist.isend``."""
+    import torch.distributed as dist  # noqa: PLC0415  patched only inside the block, in the rank that runs it
+    from torch.distributed import distributed_c10d  # noqa: PLC0415  likewise
+
+    waits = Waits([])
+    real = {name: getattr(distributed_c10d, name) for name in ("isend", "irecv")}
+
+    def counted(name):
+        def call(*args, **kwargs):
+            waits.posted.append(_CountedWork(real[name](*args, **kwargs)))
+            return waits.posted[-1]
+        return call
+
+    for name in real:
+        setattr(distributed_c10d, name, counted(name))
+        setattr(dist, name, getattr(distributed_c10d, name))
+    try:
+        yield waits
+    finally:
+        for name, function in real.items():
+            setattr(distributed_c10d, name, function)
+            setattr(dist, name, function)
 
 
 # ---------------------------------------------------------------- comparing with the reference
