@@ -358,7 +358,7 @@ WRONG = [  # (exercise, the wrong answer, what the message must say)
     ("4.5", (calls_itself,), r"raised RecursionError"),
     ("4.6", (flattens_before_padding,), r"you sharded the flattened gradient; FSDP2 keeps whole rows"),
     ("4.6", (splits_rows_evenly,), r"you split the \d+ rows evenly \(tensor_split"),
-    ("4.6", (keeps_the_padding_rows,), r"that is the padded chunk: drop the padding rows"),
+    ("4.6", (keeps_the_padding_rows,), r"that is the padded chunk: .* cut the padding rows off"),
     ("4.6", (sums_without_dividing,), r"it is 4× the mean: divide the reduce-scatter's sum by the world size"),
     ("4.6", (reduces_in_the_compute_dtype,), r"carried 2 bytes per element: the gradients were reduced in the "
                                              r"compute dtype"),

@@ -615,13 +615,15 @@ def _check_shape(case: ReduceCase, rank: int, k: int, got: torch.Tensor) -> None
         hint = ("you sharded the flattened gradient; FSDP2 keeps whole rows: pad dim 0 to N·c rows (c = ⌈d₀/N⌉) and "
                 "give rank r rows r·c … (r+1)·c")
     elif tuple(got.shape) == (chunk, *shape[1:]):
-        hint = (f"that is the padded chunk: drop the padding rows, rank {rank} holds only rows {start} … "
-                f"{start + length} of {shape[0]}")
+        held = f"only rows {start} … {start + length - 1}" if length else "no row"
+        hint = (f"that is the padded chunk: rank {rank} holds {held} of {shape[0]}, so cut the padding rows off "
+                f"its shard (the length min(c, d₀ - r·c), never below 0)")
     elif got.dim() == len(shape) and got.shape[0] == balanced:
         hint = (f"you split the {shape[0]} rows evenly (tensor_split gives every rank ⌊d₀/N⌋ or ⌈d₀/N⌉); FSDP2 gives "
                 f"every rank c = ⌈d₀/N⌉ = {chunk} rows (torch.chunk's sizes), so the last ranks hold fewer or none")
     else:
-        hint = f"rank r holds rows r·c … min((r+1)·c, d₀) with c = ⌈d₀/N⌉ = {chunk}"
+        hint = (f"rank r holds rows r·c … min((r+1)·c, d₀) with c = ⌈d₀/N⌉ = {chunk}: check the start (r·c, with "
+                f"this rank's r) and the length min(c, d₀ - r·c), never below 0, of the rows your shard takes")
     raise CheckFailed(f"{where}: {hint}")
 
 
@@ -756,6 +758,9 @@ QUESTIONS = [
 # Surviving mutants of the solution cells that change nothing the exercises ask for (distlab notebooks
 # mutants): key, as benchmarks/results/mutants.txt names it → why it is equivalent.
 EQUIVALENT_MUTANTS = {
+    '4.1 call-removed: `p.detach()` → `p`':
+        'FlatLayout.flatten copies each tensor\'s values with t.detach() itself: the same new flat buffer, with no '
+        'graph, either way',
     '4.1 call-removed: `shard.clone()` → `shard`':
         "the shard is this rank's own slice of flat, so the all-gather is the in-place form (the send buffer is its "
         'slot of the receive buffer), which the collective allows: the copy is not needed',
