@@ -166,6 +166,16 @@ class RowNoReduce(SOLUTION["RowParallelLinear"]):
         return y if self.bias is None else y + self.bias
 
 
+class RowSliceShared(SOLUTION["RowParallelLinear"]):
+    """5.2: the weight's columns kept as a view of the dense layer's (no .clone()): they share memory."""
+
+    def __init__(self, dense, group=None):
+        super().__init__(dense, group)
+        t, r = dist.get_world_size(group), dist.get_rank(group)
+        per = dense.in_features // t
+        self.weight = torch.nn.Parameter(dense.weight.detach()[:, r * per:(r + 1) * per])
+
+
 class MLPNoGelu(SOLUTION["TensorParallelMLP"]):
     """5.3: forgot the GELU between the two linears."""
 
@@ -236,6 +246,21 @@ def cross_entropy_no_max(local_logits, targets, group=None):
     return (sum_exp.log() - SOLUTION["g"](picked, group)).mean()
 
 
+def cross_entropy_edge_included(local_logits, targets, group=None):
+    """5.5: the shard's end taken in (<= start + per): the next shard's first id counted on two ranks."""
+    per = local_logits.shape[-1]
+    start = dist.get_rank(group) * per
+    logits = local_logits.float()
+    top = logits.detach().amax(dim=-1)
+    dist.all_reduce(top, op=dist.ReduceOp.MAX, group=group)
+    shifted = logits - top.unsqueeze(-1)
+    sum_exp = SOLUTION["g"](shifted.exp().sum(dim=-1), group)
+    mine = (targets >= start) & (targets <= start + per)
+    index = (targets - start).masked_fill(~mine, 0).clamp(max=per - 1)
+    picked = shifted.gather(-1, index.unsqueeze(-1)).squeeze(-1) * mine
+    return (sum_exp.log() - SOLUTION["g"](picked, group)).mean()
+
+
 def cross_entropy_sum(local_logits, targets, group=None):
     """5.5: the sum over tokens instead of the mean."""
     return SOLUTION["vocab_parallel_cross_entropy"](local_logits, targets, group) * targets.numel()
@@ -300,6 +325,7 @@ WRONG = [
      r"ColumnParallelLinear\(rows=...\)'s output.*keep exactly the rows listed in rows"),
     ("5.2", "RowParallelLinear", RowBiasEveryRank, r"counted 2 times: add it once, after the reduction"),
     ("5.2", "RowParallelLinear", RowNoReduce, r"RowParallelLinear's output.*no all-reduce in forward.*with g"),
+    ("5.2", "RowParallelLinear", RowSliceShared, r"RowParallelLinear.weight shares memory with the dense layer"),
     ("5.3", "TensorParallelMLP", MLPNoGelu, r"TensorParallelMLP's output differs.*GELU between"),
     ("5.3", "TensorParallelMLP", MLPBothColumn, r"fc is column-parallel.*|proj is row-parallel"),
     ("5.3", "TensorParallelMLP", MLPGeluAfterReduce, r"TensorParallelMLP's output differs.*GELU between"),
@@ -309,6 +335,7 @@ WRONG = [
     ("5.5", "VocabParallelEmbedding", EmbeddingNoMask, r"zero the tokens outside them"),
     ("5.5", "vocab_parallel_cross_entropy", cross_entropy_gathered, r"full logits .* must never be gathered"),
     ("5.5", "vocab_parallel_cross_entropy", cross_entropy_no_max, r"subtract the max over the whole vocabulary"),
+    ("5.5", "vocab_parallel_cross_entropy", cross_entropy_edge_included, r"the loss \(logits x1\) differs"),
     ("5.5", "vocab_parallel_cross_entropy", cross_entropy_sum, r"the sum over the \d+ tokens: return the mean"),
     ("5.6", "gather_sequence", apply_of(GatherIdentityBackward),
      r"backward returned the full-sequence gradient .*the backward of an all-gather is a reduce-scatter"),

@@ -338,7 +338,14 @@ def _column_rows(case: Case, custom: bool) -> list[torch.Tensor]:
     return list(order.chunk(case.tp))
 
 
-def _run_layer(layer, x, upstream) -> dict:
+def _shared_with(layer, dense) -> list[str]:
+    """The layer's parameters that share memory with the dense layer's: a step on one would change the other."""
+    storages = {p.untyped_storage().data_ptr() for p in dense.parameters()}
+    return [name for name, p in layer.named_parameters() if p.untyped_storage().data_ptr() in storages]
+
+
+def _run_layer(layer, x, upstream, dense=None) -> dict:
+    shared = _shared_with(layer, dense) if dense is not None else []
     x = x.clone().requires_grad_(True)
     before = comm_snapshot()
     y = layer(x)
@@ -346,7 +353,7 @@ def _run_layer(layer, x, upstream) -> dict:
     before = comm_snapshot()
     y.backward(upstream)
     return {"output": y.detach().clone(), "input grad": x.grad.clone(), "grads": _grads_of(layer),
-            "forward": forward, "backward": comm_since(before)}
+            "forward": forward, "backward": comm_since(before), "shared": shared}
 
 
 def _worker_linears(column_cls, row_cls, case: Case) -> dict:
@@ -356,11 +363,11 @@ def _worker_linears(column_cls, row_cls, case: Case) -> dict:
     x = _randn((case.batch, case.seq_len, case.d_in), case.seed, 12)
     g_out = _randn((case.batch, case.seq_len, case.d_out), case.seed, 13)
     rows = _column_rows(case, custom=True)[r]
-    out = {"column": _run_layer(column_cls(dense, group), x, g_out[..., shard_range(case.d_out, case.tp, r)]),
-           "column rows": _run_layer(column_cls(dense, group, rows=rows), x, g_out[..., rows]),
-           "column gather": _run_layer(column_cls(dense, group, gather_output=True), x, g_out)}
+    out = {"column": _run_layer(column_cls(dense, group), x, g_out[..., shard_range(case.d_out, case.tp, r)], dense),
+           "column rows": _run_layer(column_cls(dense, group, rows=rows), x, g_out[..., rows], dense),
+           "column gather": _run_layer(column_cls(dense, group, gather_output=True), x, g_out, dense)}
     g_row = _randn((case.batch, case.seq_len, case.d_out), case.seed, 14)
-    out["row"] = _run_layer(row_cls(dense, group), x[..., shard_range(case.d_in, case.tp, r)], g_row)
+    out["row"] = _run_layer(row_cls(dense, group), x[..., shard_range(case.d_in, case.tp, r)], g_row, dense)
     return out
 
 
@@ -394,6 +401,12 @@ def check_parallel_linears(column_cls, row_cls) -> str:
         for rank, out in enumerate(run):
             r = rank % case.tp
             block = shard_range(case.d_out, case.tp, r)
+            for key, what in (("column", "ColumnParallelLinear"), ("column rows", "ColumnParallelLinear(rows=...)"),
+                              ("column gather", "ColumnParallelLinear(gather_output=True)"),
+                              ("row", "RowParallelLinear")):
+                if out[key]["shared"]:
+                    raise CheckFailed(f"{case}, rank {rank}: {what}.{out[key]['shared'][0]} shares memory with the "
+                                      f"dense layer's: copy your slice (.clone()), or a step on one changes the other")
             for key, rows in (("column", torch.arange(case.d_out)[block]),
                               ("column rows", _column_rows(case, custom=True)[r])):
                 res, what = out[key], "ColumnParallelLinear" + ("(rows=...)" if key == "column rows" else "")
@@ -548,6 +561,15 @@ def check_parallel_attention(qkv_rows_fn, attention_cls) -> str:
 
 # ---------------------------------------------------------------- 5.5 vocabulary-parallel embedding and loss
 
+def _vocab_ids(case: Case, vocab: int) -> torch.Tensor:
+    """The case's token ids (and targets): random, with the first id of every shard among them, where a
+    comparison one off at a shard's edge (<= for <, > for >=) gives a token to two ranks or to none."""
+    idx = torch.randint(vocab, (case.batch, case.seq_len), generator=torch.Generator().manual_seed(case.seed))
+    firsts = torch.tensor([shard_range(vocab, case.tp, r).start for r in range(case.tp)])[:idx.numel()]
+    idx.view(-1)[:len(firsts)] = firsts
+    return idx
+
+
 def _worker_vocab(embedding_cls, loss_fn, case: Case) -> dict:
     group = tp_group(case.tp)
     r = tp_rank(group)
@@ -555,7 +577,7 @@ def _worker_vocab(embedding_cls, loss_fn, case: Case) -> dict:
     dense = nn.Embedding(vocab, case.d_in)
     with torch.no_grad():
         dense.weight.copy_(_randn(dense.weight.shape, case.seed, 30))
-    idx = torch.randint(vocab, (case.batch, case.seq_len), generator=torch.Generator().manual_seed(case.seed))
+    idx = _vocab_ids(case, vocab)
     layer = embedding_cls(dense, group)
     before = comm_snapshot()
     y = layer(idx)
@@ -612,7 +634,7 @@ def check_vocab_parallel(embedding_cls, loss_fn) -> str:
         dense = nn.Embedding(vocab, case.d_in)
         with torch.no_grad():
             dense.weight.copy_(_randn(dense.weight.shape, case.seed, 30))
-        idx = torch.randint(vocab, (case.batch, case.seq_len), generator=torch.Generator().manual_seed(case.seed))
+        idx = _vocab_ids(case, vocab)
         y = dense(idx)
         y.backward(_randn((case.batch, case.seq_len, case.d_in), case.seed, 31))
         tokens = idx.numel()
@@ -631,7 +653,9 @@ def check_vocab_parallel(embedding_cls, loss_fn) -> str:
                                 {"all_reduce": (1, 4 * y.numel())})
             for scale in (1.0, 60.0):
                 logits = (scale * _randn((case.batch, case.seq_len, vocab), case.seed, 32)).requires_grad_(True)
-                case_drawn("5.5", tp=case.tp, vocab=vocab, largest=logits.abs().max().item())
+                case_drawn("5.5", tp=case.tp, vocab=vocab, largest=logits.abs().max().item(),
+                           shard_firsts=all(bool((idx == shard_range(vocab, case.tp, s).start).any())
+                                            for s in range(case.tp)))
                 loss = F.cross_entropy(logits.reshape(-1, vocab), idx.reshape(-1))
                 loss.backward()
                 res = out[f"loss x{scale:g}"]
@@ -769,7 +793,8 @@ EDGES = {
             Edge("the attention run with several heads per rank",
                  lambda c: not c.get("layout") and c["n_head"] > c["tp"])],
     "5.5": [*_GROUPS, Edge("logits past exp()'s fp32 range", lambda c: c["largest"] > EXP_OVERFLOWS_FP32_ABOVE),
-            Edge("logits well inside it", lambda c: c["largest"] < 20)],
+            Edge("logits well inside it", lambda c: c["largest"] < 20),
+            Edge("a token and a target on every shard's first id", lambda c: c["shard_firsts"])],
     "5.6": _GROUPS,
 }
 
@@ -814,6 +839,9 @@ EQUIVALENT_MUTANTS = {
         'no output or gradient depends on',
     '5.4 arguments-swapped: `y.transpose(1, 2)` → `y.transpose(2, 1)`':
         'transpose(1, 2) and transpose(2, 1) are the same operation',
+    '5.4 arithmetic: `d_model // self.head_dim` → `d_model / self.head_dim`':
+        'qkv_rows does not read n_head (a rank\'s rows follow from d_model and tp alone): a float there changes '
+        'nothing',
     '5.4 statements-swapped: `B, T, _ = x.shape q, k, v = self.qkv(x).chunk(3, dim=-1)` → `q, k, v = '
     'self.qkv(x).chunk(3, dim=-1) B, T, _ = x.shape`':
         "two statements that do not read each other's names, in the other order",
