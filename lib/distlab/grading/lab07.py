@@ -37,7 +37,7 @@ from distlab.context_parallel import (
 )
 from distlab.flops import PEAK_FLOPS
 from distlab.grading import quiz
-from distlab.grading.contract import CheckFailed, first_line
+from distlab.grading.contract import CheckFailed, first_line, slip_of
 from distlab.grading.harness import (
     ATOL,
     Edge,
@@ -52,6 +52,7 @@ from distlab.grading.harness import (
 from distlab.grading.registry import Exercise
 from distlab.memory import PRESETS, GiB, activation_bytes_per_layer
 from distlab.runtime import comm
+from distlab.runtime.errors import RankFailed
 
 
 def _seed() -> int:
@@ -478,7 +479,12 @@ def _check_zigzag_positions(zigzag_positions, rng: random.Random) -> int:
         seq_len = 2 * world * rng.randint(1, 4)
         for rank in sorted({0, world - 1, rng.randrange(world)}):
             expected = layout_positions(seq_len, world, rank, "zigzag").tolist()
-            got = zigzag_positions(seq_len, world, rank)
+            try:
+                got = zigzag_positions(seq_len, world, rank)
+            except ValueError as error:
+                raise CheckFailed(f"zigzag_positions({seq_len}, {world}, {rank}) raised ValueError: {error}: "
+                                  f"{seq_len} tokens do split into 2·{world} equal chunks, so the condition that "
+                                  f"guards your raise is wrong") from None
             got = torch.as_tensor(got).flatten().tolist() if got is not None else None
             if got != expected:
                 raise CheckFailed(f"zigzag_positions({seq_len}, {world}, {rank}) returned {got}, expected {expected}: "
@@ -650,7 +656,13 @@ def check_ulysses(ulysses_attention) -> str:
         cases = [_case(rng, world, heads=world * rng.randint(1, 2), causal=causal) for causal in (False, True)]
         bad = _case(rng, world, heads=world + 1)
         case_drawn("7.6", world=world, heads=[c.heads for c in cases], causal=[c.causal for c in cases], bad=bad.heads)
-        run = _launch(_ulysses_worker, world, ulysses_attention, cases, bad)
+        try:
+            run = _launch(_ulysses_worker, world, ulysses_attention, cases, bad)
+        except RankFailed as error:
+            if getattr(error, "exc_type", "") != "ValueError" or slip_of(error) is not None:
+                raise
+            raise CheckFailed(f"N={world}, heads {[c.heads for c in cases]}: {first_line(error)}: these head counts "
+                              f"divide by N, so the condition that guards your raise is wrong") from None
         for index, case in enumerate(cases):
             shards = [r["results"][index]["out"] for r in run]
             if any(not isinstance(s, torch.Tensor) for s in shards):
