@@ -417,7 +417,9 @@ def check_parallel_linears(column_cls, row_cls) -> str:
                 if case.bias:
                     _expect(case, rank, f"{what}.bias's gradient", res["grads"]["bias"], grads["bias"][rows])
                 _expect(case, rank, f"{what}'s output", res["output"], y[..., rows],
-                        "keep exactly the rows listed in rows, in their order" if key == "column rows" else "")
+                        "keep exactly the rows listed in rows, in their order" if key == "column rows" else
+                        "its gradients match, so check the values it keeps: the same rows of dense.weight and of "
+                        "dense.bias")
                 _expect(case, rank, f"{what}'s input gradient", res["input grad"], x_grad,
                         "the input enters through f: its gradient is summed over the TP group")
                 _expect_collectives(case, rank, f"{what} in forward", res["forward"], {})
@@ -544,6 +546,15 @@ def check_parallel_attention(qkv_rows_fn, attention_cls) -> str:
             elif got.tolist() == torch.cat([by_heads + part * d_model for part in range(3)]).tolist():
                 hint = (": those count heads, not rows: a rank's heads span d_model/tp rows of q "
                         "(n_head/tp heads of head_dim rows each)")
+            elif len(got) != len(expected):
+                hint = (f": {len(got)} rows, expected {len(expected)}: a rank keeps d_model/tp = {d_model // tp} rows "
+                        f"of each of q, k and v (check the range of its heads' rows)")
+            else:
+                third = len(expected) // 3
+                part = next(i for i in range(3) if got[i * third:(i + 1) * third].tolist()
+                            != expected[i * third:(i + 1) * third].tolist())
+                hint = (f": the rows taken from {'qkv'[part]} are wrong: this rank's heads span rows rank·d/tp … "
+                        f"(rank+1)·d/tp - 1 of q, and the same rows + d_model of k and + 2·d_model of v")
             raise CheckFailed(f"qkv_rows(d_model={d_model}, n_head={n_head}, tp={tp}, rank={rank}) returned "
                               f"{got.tolist()[:8]}…, expected {expected.tolist()[:8]}…{hint}")
     _check_module(attention_cls, "attn", rng, "TensorParallelAttention",
