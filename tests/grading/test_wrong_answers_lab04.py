@@ -101,6 +101,11 @@ class AllReduced(Sharded):  # the full gradient everywhere, then the shard: 1.5Ã
         return (grads / self.world)[self.rank * n:(self.rank + 1) * n]
 
 
+class NeverReduced(Sharded):  # the shard's gradient buffer made, the reduce-scatter into it forgotten
+    def average(self, grads):
+        return torch.full((grads.numel() // self.world,), 1e30)  # torch.empty's garbage, made deterministic
+
+
 class NeverGathers(Sharded):  # each rank updates its shard and never shares it
     def gather(self, flat, shard):
         pass
@@ -340,6 +345,7 @@ WRONG = [  # (exercise, the wrong answer, what the message must say)
     ("4.1", (Summed,), r"by a factor of 4\.00: gradients summed but not divided by world size"),
     ("4.1", (DividedByNMinusOne,), r"rank \d's .* differs from the reference .*by a factor of 1\.33"),
     ("4.1", (AllReduced,), r"1\.50Ã— what DDP's all-reduce sends .*reduce-scatter the gradients"),
+    ("4.1", (NeverReduced,), r"far beyond any update: look for a gradient read from memory nothing wrote"),
     ("4.1", (NeverGathers,), r"rank [123]'s .* differs from rank 0's .*all-gather the updated shards"),
     ("4.1", (UnshardedState,), r"optimizer holds momentum for 100% of the parameters; with 4 ranks it should be 1/4"),
     ("4.2", (reduced_in_bf16,), r"carried 2 bytes per element, so the gradients were summed in bf16"),

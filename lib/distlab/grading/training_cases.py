@@ -124,6 +124,9 @@ def compare_with_reference(run, case: Case, reference: dict | None = None) -> di
             if factor is not None:
                 hint = describe_factor(factor, case.world_size, case.accum)
                 how = f"by a factor of {factor:.2f}" + (f": {hint}" if hint else "")
+            elif diff > 1e6 * max(1.0, ref["states"][step][name].abs().max().item()):  # inf and NaN too
+                how = (f"by up to {diff:.3g}, far beyond any update: look for a gradient read from memory nothing "
+                       f"wrote (a torch.empty buffer its collective never filled) or a division by zero")
             else:
                 how = f"by up to {diff:.3g} (not a simple scaling of the update)"
             other = ""
