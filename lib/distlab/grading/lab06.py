@@ -23,12 +23,14 @@ from __future__ import annotations
 
 import random
 
+import torch
+
 from distlab.grading import quiz
-from distlab.grading.contract import CheckFailed
-from distlab.grading.harness import WEIGHT_ATOL, lab_seed, max_difference, run_on_ranks
+from distlab.grading.contract import CheckFailed, first_line
+from distlab.grading.harness import WEIGHT_ATOL, lab_seed, max_difference, p2p_waits_counted, run_on_ranks
 from distlab.grading.registry import Exercise
 from distlab.grading.training_cases import update_factor
-from distlab.model import GPTConfig
+from distlab.model import GPT, GPTConfig, synthetic_batch
 from distlab.pipeline_parallel import (
     ScheduleError,
     balanced_partition,
@@ -37,16 +39,19 @@ from distlab.pipeline_parallel import (
     compute_spans,
     interleaved_bubble_fraction,
     interleaved_warmup,
+    lm_loss,
     make_schedule,
     pipeline_worker,
     placement_of,
     reference_states,
     simulate,
+    split_microbatches,
     stage_costs,
     stage_placement,
     validate,
     zero_bubble_v,
 )
+from distlab.runtime.errors import RankFailed
 from distlab.tensor_parallel.theory import activation_message_bytes
 
 
@@ -90,7 +95,22 @@ def _check_structure(stages: list[range], n_layers: int, n_stages: int, where: s
     try:
         check_partition(stages, n_layers, n_stages)
     except ValueError as error:
-        raise CheckFailed(f"{where}: {error}") from None
+        text = str(error)
+        hint = (": the loop that makes the stages must run once per stage, n_stages times" if "stages, expected" in text
+                else ": the last stage must end at n_layers: check how the bounds advance and where the remainder "
+                     "layers go" if "but the model has" in text else "")
+        raise CheckFailed(f"{where}: {error}{hint}") from None
+
+
+def _call_on_a_valid_case(fn, args: tuple, where: str):
+    """``fn(*args)`` on a case the spec allows: a ValueError it raises is its own guard firing wrongly."""
+    try:
+        return fn(*args)
+    except ScheduleError:
+        raise
+    except ValueError as error:
+        raise CheckFailed(f"{where} raised ValueError: {error}: the spec allows this case, so the condition that "
+                          f"guards your raise is wrong") from None
 
 
 def _expect_value_error(fn, args, where: str, why: str) -> None:
@@ -121,7 +141,7 @@ def check_partitions(even_partition, balanced_partition_fn) -> str:
     for n_layers, n_stages in cases:
         n_stages = n_stages or rng.randint(1, n_layers)
         where = f"even_partition({n_layers}, {n_stages})"
-        stages = _as_ranges(even_partition(n_layers, n_stages), where)
+        stages = _as_ranges(_call_on_a_valid_case(even_partition, (n_layers, n_stages), where), where)
         _check_structure(stages, n_layers, n_stages, where)
         sizes = [len(s) for s in stages]
         if max(sizes) - min(sizes) > 1:
@@ -150,7 +170,8 @@ def check_partitions(even_partition, balanced_partition_fn) -> str:
             first, last = rng.uniform(2, 5), rng.uniform(2, 5)
         where = (f"balanced_partition({len(costs)} layers {kind}, {stages_n} stages, first_extra={first:.2f}, "
                  f"last_extra={last:.2f})")
-        got = _as_ranges(balanced_partition_fn(list(costs), stages_n, first, last), where)
+        got = _as_ranges(_call_on_a_valid_case(balanced_partition_fn, (list(costs), stages_n, first, last), where),
+                         where)
         _check_structure(got, len(costs), stages_n, where)
         best = max(stage_costs(balanced_partition(costs, stages_n, first, last), costs, first, last))
         mine = stage_costs(got, costs, first, last)
@@ -174,12 +195,35 @@ def check_partitions(even_partition, balanced_partition_fn) -> str:
 
 # ---------------------------------------------------------------- 6.2, 6.3, 6.5 schedules
 
+def _where_to_look(error: ScheduleError) -> str:
+    """What part of a schedule builder makes the problem the validator found, as advice after its message."""
+    text = str(error)
+    for said, look in (
+            ("names micro-batch", "check the ranges and the index arithmetic that number this rank's micro-batches: "
+                                  "each of 0..m-1 runs once per stage"),
+            ("names stage", "check the arithmetic that gives each action's stage"),
+            ("is not an Action of a stage", "check the arithmetic that gives each action's stage (never below 0)"),
+            ("comes before", "check the order in which your loops emit that rank's actions, and that none is "
+                             "missing before it"),
+            ("runs stage", "check which rank each stage's actions go to"),
+            ("appears twice", "a loop emits that action a second time: check its bounds"),
+            ("never runs", "a loop stops one step short or a guard skips that action: check their bounds"),
+    ):
+        if said in text:
+            return f": {look}"
+    return ": compare your lists with the Gantt chart of distlab.pipeline_parallel.simulate"
+
+
+def _schedule_failed(where: str, error: ScheduleError) -> CheckFailed:
+    return CheckFailed(f"{where}: {error}{_where_to_look(error)}")
+
+
 def _run_schedule_fn(fn, args: tuple, name: str):
     where = f"{name}({', '.join(map(str, args))})"
     try:
-        schedule = fn(*args)
-    except ValueError as error:
-        raise CheckFailed(f"{where} raised ValueError: {error}") from None
+        schedule = _call_on_a_valid_case(fn, args, where)
+    except ScheduleError as error:  # with_p2p validates what it is given
+        raise _schedule_failed(f"{where} raised ValueError", error) from None
     try:
         schedule = [list(ops) for ops in schedule]
     except TypeError:
@@ -193,7 +237,7 @@ def _check_one(where: str, schedule, m: int, v: int, bubble: float, costs: dict 
     try:
         validate(schedule, m, v)
     except ScheduleError as error:
-        raise CheckFailed(f"{where}: {error}") from None
+        raise _schedule_failed(where, error) from None
     sim = simulate(schedule, m, v, **(costs or {}))
     if abs(sim.bubble - bubble) > 1e-9:
         raise CheckFailed(f"{where}: in unit time (forward 1, backward 2) the ranks idle {sim.bubble:.4f} of the step, "
@@ -279,7 +323,7 @@ def _sim_bubble(where: str, schedule, m: int) -> float:
         validate(schedule, m)
         return simulate(schedule, m).bubble
     except ScheduleError as error:
-        raise CheckFailed(f"{where}: {error}") from None
+        raise _schedule_failed(where, error) from None
 
 
 # ---------------------------------------------------------------- 6.6 a V schedule
@@ -302,7 +346,7 @@ def check_v_schedule(zero_bubble_v_fn) -> str:
         try:
             placed = placement_of(schedule)
         except ScheduleError as error:
-            raise CheckFailed(f"{where}: {error}") from None
+            raise _schedule_failed(where, error) from None
         if placed != v_shape:
             looped = placed == stage_placement(p, 2, "looped") if len(placed) == 2 * p else False
             hint = (": rank r's second stage is p + r there (looped, as interleaved 1F1B); a V brings the "
@@ -318,7 +362,7 @@ def check_v_schedule(zero_bubble_v_fn) -> str:
         try:
             validate(schedule, m, 2, placement="v")
         except ScheduleError as error:
-            raise CheckFailed(f"{where}: {error}") from None
+            raise _schedule_failed(where, error) from None
         sim = simulate(schedule, m, 2)
         best = simulate(zero_bubble_v(p, m), m, 2).bubble
         if sim.bubble > best + 1e-9:
@@ -353,6 +397,45 @@ def _executor_cases(rng: random.Random) -> list[dict]:
     ]
 
 
+class ExecutorSlip(RuntimeError):
+    """What :class:`_Watched` finds wrong in a rank after the student's executor returned."""
+
+
+class _Watched:
+    """The student's ``execute``, run on a rank so that what the weights cannot show is seen: every ``isend`` it
+    posts must be waited for before it returns (gloo delivers an unwaited send anyway, NCCL may not, and its
+    buffer may be freed or reused), and the loss it returns for micro-batch ``mb`` must be that micro-batch's
+    (a shifted index permutes the micro-batches: the same gradients and mean loss, the wrong labels)."""
+
+    def __init__(self, execute, micro_losses: dict[int, float]):
+        self.execute, self.micro_losses = execute, micro_losses
+
+    def __call__(self, actions, stages, micro_batches, p, num_stages):
+        with p2p_waits_counted() as waits:
+            losses = self.execute(actions, stages, micro_batches, p, num_stages)
+        if waits.unwaited:
+            raise ExecutorSlip(f"{waits.unwaited} of its {len(waits.posted)} isend/irecv were never waited for when "
+                               f"execute returned: wait for every send before returning (NCCL may drop a send "
+                               f"nobody waits for, and its buffer may be reused)")
+        for mb, loss in dict(losses or {}).items():
+            want = self.micro_losses.get(mb)
+            if want is not None and abs(float(loss) - want) > 1e-4 * max(1.0, abs(want)):
+                match = next((other for other, value in self.micro_losses.items()
+                              if abs(float(loss) - value) <= 1e-4 * max(1.0, abs(value))), None)
+                said = f", micro-batch {match}'s" if match is not None else ""
+                raise ExecutorSlip(f"its loss for micro-batch {mb} is {float(loss):.5f}{said}, expected {want:.5f}: "
+                                   f"index micro_batches and the losses with the action's own micro-batch number")
+        return losses
+
+
+def _micro_losses(cfg: GPTConfig, batch: int, m: int, seed: int, data_seed: int) -> dict[int, float]:
+    """Each micro-batch's loss at step 0 in one process: what the last stage's executor returns for it."""
+    model = GPT(cfg, seed=seed)
+    x, y = synthetic_batch(cfg, batch, 0, seed=data_seed)
+    with torch.no_grad():
+        return {mb: lm_loss(model(xm), ym).item() for mb, (xm, ym) in enumerate(split_microbatches(x, y, m))}
+
+
 def _describe(case: dict) -> str:
     tied = ", tied embeddings" if case["cfg"].tied_embeddings else ""
     return f"{case['schedule']} on p={case['p']} ranks, m={case['m']}" + (f", v={case['v']}" if case["v"] > 1 else "") \
@@ -383,13 +466,23 @@ def check_executor(execute) -> str:
         batch = rows * m
         seed, data_seed = rng.randrange(1000), rng.randrange(1000)
         what = _describe(case)
-        run = run_on_ranks(pipeline_worker, p, kwargs=dict(schedule=case["schedule"], cfg=cfg, m=m, v=v,
-                           batch_size=batch, steps=steps, lr=lr, seed=seed, data_seed=data_seed, executor=execute),
-                           what=f"your executor ({what})", collective_timeout=COLLECTIVE_TIMEOUT,
-                           advice="Check the peers: an activation of stage s goes to the rank of stage s+1, "
-                                  "(s + 1) % p, and comes from (s - 1) % p; a gradient the other way. Post every "
-                                  "receive the schedule lists (irecv) and wait for it only in the compute that "
-                                  "needs it.")
+        try:
+            run = run_on_ranks(pipeline_worker, p, kwargs=dict(schedule=case["schedule"], cfg=cfg, m=m, v=v,
+                               batch_size=batch, steps=steps, lr=lr, seed=seed, data_seed=data_seed,
+                               executor=_Watched(execute, _micro_losses(cfg, batch, m, seed, data_seed))),
+                               what=f"your executor ({what})", collective_timeout=COLLECTIVE_TIMEOUT,
+                               advice="Check the peers: an activation of stage s goes to the rank of stage s+1, "
+                                      "(s + 1) % p, and comes from (s - 1) % p; a gradient the other way. Post every "
+                                      "receive the schedule lists (irecv) and wait for it only in the compute that "
+                                      "needs it.")
+        except RankFailed as error:
+            if getattr(error, "exc_type", "") == "ExecutorSlip":
+                raise CheckFailed(f"your executor ({what}): {first_line(error)}") from None
+            if getattr(error, "exc_type", "") != "KeyError":
+                raise
+            raise CheckFailed(f"your executor ({what}): {first_line(error)}: a lookup found nothing under that key: "
+                              f"check the keys your RECV_F/RECV_B store and the F/B/SEND that read them, the action "
+                              f"kind each branch tests, and the stage arithmetic ((s - 1) % p, (s + 1) % p)") from None
         ref = reference_states(cfg, steps=steps, batch_size=batch, lr=lr, seed=seed, data_seed=data_seed)
         ref_before = reference_states(cfg, steps=steps - 1, batch_size=batch, lr=lr, seed=seed, data_seed=data_seed)
         for r, out in enumerate(run):
@@ -460,6 +553,14 @@ EQUIVALENT_MUTANTS = {
     '6.1 statements-swapped: `base, extra = divmod(n_layers, n_stages) bounds = [0]` → `bounds = [0] base, extra = '
     'divmod(n_layers, n_stages)`':
         "two statements that do not read each other's names, in the other order",
+    '6.1 off-by-one: `1` → `2`':
+        'the table best is one column wider (n + 2 entries a row): the dynamic programme reads columns 0..n only',
+    '6.1 off-by-one: `1` → `2` #2':
+        'the table cut is one column wider (n + 2 entries a row): the walk back reads columns 0..n only',
+    '6.1 off-by-one: `1` → `2` #3':
+        'the table best gets one more row (n_stages + 2): the dynamic programme reads rows 0..n_stages only',
+    '6.1 off-by-one: `1` → `2` #4':
+        'the table cut gets one more row (n_stages + 2): the walk back reads rows 0..n_stages only',
     '6.2 arguments-swapped: `min(p - r - 1, m)` → `min(m, p - r - 1)`':
         'min is symmetric',
     '6.3 arguments-swapped: `min(2 * (p - r - 1) + (v - 1) * p if v > 1 else p - r - 1, total)` → `min(total, 2 * (p '
@@ -468,12 +569,34 @@ EQUIVALENT_MUTANTS = {
     '6.3 statements-swapped: `ops += [action(k, r, False) for k in range(total - warmup, total)] or…` → '
     '`order.append(ops) ops += [action(k, r, False) for k in range(total - …`':
         'order holds the list ops itself, and += extends that list in place: the same schedule',
+    '6.3 off-by-one: `k % p` → `(k - 1) % p`':
+        'the micro-batches of each round of p are renamed by one fixed rotation, the same for every forward and '
+        'backward on every rank: the same schedule under other names (micro-batches are interchangeable: the '
+        'bubble, the in-flight counts and the gradients do not depend on which one is called 0)',
+    '6.4 call-removed: `outputs[(mb, s)].detach()` → `outputs[mb, s]`':
+        'the send reads only the activation\'s values (Channels.send sends tensor.contiguous()): a tensor that '
+        'requires grad sends the same bytes, and autograd is not involved in an isend',
+    '6.4 guard-removed: `a.kind == "B"` → `True`':
+        'the branches above take RECV_F, RECV_B, SEND_F, SEND_B and F, and the schedules an executor runs here hold '
+        'no I or W: B is the only kind left at that elif, so its test is always true there',
     '6.4 statements-swapped: `losses[mb] = loss.item() out = loss / m` → `out = loss / m losses[mb] = loss.item()`':
         "two statements that do not read each other's names, in the other order",
     '6.5 arguments-swapped: `min(p - r - 1, m)` → `min(m, p - r - 1)`':
         'min is symmetric',
     '6.5 arguments-swapped: `min(r, m)` → `min(m, r)`':
         'min is symmetric',
+    '6.5 compare: `w < m` → `w <= m`':
+        'w counts the W\'s emitted, which never pass the I\'s emitted: at that line w <= mb < m, so w < m and '
+        'w <= m are both always true',
+    '6.5 guard-removed: `w < m` → `True`':
+        'w counts the W\'s emitted, which never pass the I\'s emitted: at that line w <= mb < m, so the guard is '
+        'always true',
+    '6.6 compare: `done("W", stage) < n` → `done(\'W\', stage) <= n`':
+        'the one extra W is numbered n >= m, and the last line keeps only micro-batches below m',
+    '6.6 off-by-one: `1` → `2`':
+        'for m <= 2p - 2 the builder pads to 2p - 2 micro-batches instead of 2p - 1 and drops the padding: still '
+        'a V placement with I/W split, valid, no more idle than ZB-V (less on p=2, m=2) and at most p in flight, '
+        'which is all 6.6 asks (we checked p = 2..6, m = 1..19)',
 }
 
 EXERCISES = [
