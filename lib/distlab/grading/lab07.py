@@ -667,6 +667,12 @@ def check_ulysses(ulysses_attention) -> str:
             shards = [r["results"][index]["out"] for r in run]
             if any(not isinstance(s, torch.Tensor) for s in shards):
                 raise CheckFailed(f"{case}: return the output shard [B, H, T/N, D] on every rank")
+            want = (case.batch, case.heads, case.seq_len // world, case.head_dim)
+            odd = next((r for r, s in enumerate(shards) if tuple(s.shape) != want), None)
+            if odd is not None:
+                raise CheckFailed(f"{case}: rank {odd} returned a shard of shape {tuple(shards[odd].shape)}, expected "
+                                  f"{want} = [B, H, T/N, D], q's own layout: heads_to_seq must end by reshaping the "
+                                  f"received head groups to (b, h, t, d), batch first, then heads, then tokens")
             expected, _ = _reference(*case.tensors(), case.causal)
             got = unshard([s.detach().float() for s in shards], "contiguous")
             assert_close(str(case), "out", got, expected,
