@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from processes import rank_processes
+from processes import rank_processes, shared_ranks_end_here
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
@@ -24,6 +24,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def warm_groups_end_with_their_module():
+    """Warm groups (``Ranks.shared``, ``launch(warm=True)``, the checkers' too) serve a module's tests, so a rank
+    start is paid once per module; they end with it, and no rank may be left. Without this a module whose checks
+    left warm ranks behind failed the next module's ``no_leftover_ranks`` (a fresh machine's make test once did,
+    on three idle ranks of a 3-rank check), and whether a test passed depended on which tests ran before it."""
+    yield from shared_ranks_end_here()
 
 
 @pytest.fixture

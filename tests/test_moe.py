@@ -16,18 +16,9 @@ from distlab.grading import CheckFailed, lab08
 from distlab.model import GPTConfig
 from distlab.reference import max_abs_diff
 
-from processes import shared_ranks_end_here
-
 pytestmark = [pytest.mark.timeout(120), pytest.mark.usefixtures("one_thread")]
 
 D, E = 12, 8
-
-
-@pytest.fixture(scope="module", autouse=True)
-def no_ranks_left_after_this_module():
-    """The warm groups below live for the whole module (a fresh launch per test would cost seconds
-    each), so the check that no rank outlives the tests runs once, after they are shut down."""
-    yield from shared_ranks_end_here()
 
 
 @pytest.fixture(scope="module")
