@@ -149,6 +149,9 @@ def test_a_missing_times_file_or_a_pattern_that_matched_nothing_is_one_line_and_
     assert main(["grade", str(tmp_path / "submissions"), *late]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"distlab grade: --times {missing}: No such file or directory", err
+    assert main(["grade", str(tmp_path / "submissions"), "--times", str(missing)]) == 2  # times, but no deadline
+    err = capsys.readouterr().err.strip()
+    assert err == "distlab grade: --times needs --deadline TIME (the submission times are read to flag late ones)", err
     pattern = str(tmp_path / "submissions" / "*.ipynb")  # what bash passes on when a pattern matches no file
     assert main(["grade", pattern]) == 2
     err = capsys.readouterr().err.strip()
