@@ -34,7 +34,7 @@ __all__ = ["WireBytes", "supported", "socket_counters", "count"]
 
 # Offsets in Linux's struct tcp_info (include/uapi/linux/tcp.h).
 _BYTES_RECEIVED = 128  # __u64 tcpi_bytes_received, Linux >= 4.1
-_BYTES_SENT = 200  # __u64 tcpi_bytes_sent, Linux >= 4.19
+TCPI_BYTES_SENT = 200  # __u64 tcpi_bytes_sent, Linux >= 4.19 (distlab.grading.wiretap reads it too)
 _TCP_INFO_LEN = 256  # ask for more than any kernel returns; a shorter answer is an older kernel's
 
 
@@ -85,10 +85,10 @@ def socket_counters() -> WireBytes:
         if peer_port == store:
             continue
         info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_LEN)
-        if len(info) < _BYTES_SENT + 8:
+        if len(info) < TCPI_BYTES_SENT + 8:
             raise RuntimeError(f"this kernel's tcp_info has {len(info)} bytes, without tcpi_bytes_sent "
                                "(Linux 4.19 or later)")
-        sent += struct.unpack_from("=Q", info, _BYTES_SENT)[0]
+        sent += struct.unpack_from("=Q", info, TCPI_BYTES_SENT)[0]
         received += struct.unpack_from("=Q", info, _BYTES_RECEIVED)[0]
         sockets += 1
     return WireBytes(sent, received, sockets)
