@@ -104,6 +104,9 @@ def supported() -> bool:
         return False
 
 
+BARRIERS_SUBTRACTED = 3
+
+
 class _Count:
     """What :func:`count` yields: ``sent``/``received`` are filled in when the block ends."""
 
@@ -124,8 +127,9 @@ def count() -> Iterator[_Count]:
     """Measure the TCP bytes this rank sends and receives inside the block (call on every rank).
 
     A barrier before the block starts every rank together; one after it ends only once every rank has
-    received all it was sent, so nothing is still queued; a third barrier, counted alone, is subtracted
-    (gloo's barrier sends the same bytes each time)."""
+    received all it was sent, so nothing is still queued; that barrier's bytes are subtracted, as the fewest that
+    each of :data:`BARRIERS_SUBTRACTED` barriers counted alone sent: a busy machine can make a barrier send more
+    (a segment sent again), never less, and subtracting one that did once read a rank's all-reduce 48 bytes short."""
     if not supported():
         raise RuntimeError("wire.count() needs a gloo process group on Linux (see wire.supported())")
     result = _Count()
@@ -134,6 +138,10 @@ def count() -> Iterator[_Count]:
     yield result
     dist.barrier()
     after = socket_counters()
-    dist.barrier()
-    barrier = socket_counters() - after
+    barriers = []
+    for _ in range(BARRIERS_SUBTRACTED):
+        start = socket_counters()
+        dist.barrier()
+        barriers.append(socket_counters() - start)
+    barrier = WireBytes(min(b.sent for b in barriers), min(b.received for b in barriers))
     result.bytes = after - before - barrier
