@@ -57,6 +57,13 @@ HERE = {
                                                       torch.ones(1, device="meta")),
     "plain-tensor-parameter": lambda: setattr(nn.Linear(2, 2), "weight", torch.ones(2, 2)),
     "dim-out-of-range": lambda: torch.ones(2).sum(dim=1),
+    "shape-index-past-the-end": lambda: torch.ones(2, 2).shape[2],
+    "dim-and-index-swapped": lambda: torch.ones(2, 3).gather(torch.zeros(2, 1, dtype=torch.long), -1),
+    "index-along-another-dim": lambda: torch.zeros(3, 2).index_add(1, torch.zeros(3, dtype=torch.long),
+                                                                   torch.ones(3, 2)),
+    "mean-of-integers": lambda: torch.bincount(torch.tensor([0, 1, 1])).mean(),
+    "empty-unpack": lambda: _unpack_what_forward_never_saved(),
+    "argument-of-another-kind": lambda: nn.functional.one_hot(3, torch.tensor([1])),
     "index-past-the-end": lambda: torch.ones(4)[4],
     "view-of-a-strided-tensor": lambda: torch.ones(4, 4).t().view(16),
     "size-of-another-shape": lambda: torch.ones(9).view(4, 2),
@@ -69,6 +76,20 @@ HERE = {
     "path-of-another-type": lambda: open(None),  # noqa: SIM115  the slip: a path argument that is None
     "linear-arguments-swapped": lambda: nn.functional.linear(torch.ones(4, 3), torch.ones(2, 2, 3)),
 }
+
+
+def _unpack_what_forward_never_saved():
+    class Doubled(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return 2 * x  # the slip: no ctx.save_for_backward(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            (x,) = ctx.saved_tensors
+            return 2 * grad
+
+    Doubled.apply(torch.ones(2, requires_grad=True)).sum().backward()
 
 
 def _use_before_assigning():
