@@ -160,7 +160,7 @@ SLIPS = [
          "// on a tensor that needs a gradient: floor division has none; divide with /"),
     Slip("item-of-many", r"elements cannot be converted to Scalar|only one element tensors can be converted",
          ".item() (or float(), int()) needs a one-element tensor: reduce it first, or index one element"),
-    Slip("collective-returns-none", r"'NoneType'|NoneType'",
+    Slip("collective-returns-none", r"'NoneType'|NoneType'|non-iterable NoneType",
          "a value is None: dist.all_reduce, broadcast, send and recv work in place and return None (a handle "
          "only with async_op=True), so keep using the tensor you passed; a function without return returns None "
          "too"),
