@@ -63,6 +63,9 @@ HERE = {
                                                                    torch.ones(3, 2)),
     "mean-of-integers": lambda: torch.bincount(torch.tensor([0, 1, 1])).mean(),
     "empty-unpack": lambda: _unpack_what_forward_never_saved(),
+    "scaled-mm-scales": lambda: torch._scaled_mm(  # a row-wise scale_a and scale_b swapped
+        torch.ones(32, 16).to(torch.float8_e4m3fn), torch.ones(16, 16).to(torch.float8_e4m3fn).t(),
+        scale_a=torch.ones(1, 16), scale_b=torch.ones(32, 1), out_dtype=torch.float32),
     "argument-of-another-kind": lambda: nn.functional.one_hot(3, torch.tensor([1])),
     "index-past-the-end": lambda: torch.ones(4)[4],
     "view-of-a-strided-tensor": lambda: torch.ones(4, 4).t().view(16),

@@ -200,6 +200,9 @@ SLIPS = [
     Slip("mean-of-integers", r"mean\(\): could not infer output dtype",
          ".mean() of an integer tensor (counts from bincount, one_hot, cumsum): sum the counts with .sum(), or "
          "take .float() first for an average"),
+    Slip("scaled-mm-scales", r"Invalid scaling configuration",
+         "torch._scaled_mm's scales do not fit its operands: tensor-wise both are one-element float32 tensors, "
+         "row-wise scale_a is (M, 1) and scale_b (1, N); check which scale goes with which operand"),
     Slip("empty-unpack", r"not enough values to unpack \(expected \d+, got 0\)",
          "nothing to unpack: ctx.saved_tensors is empty unless forward saved them with ctx.save_for_backward(...) "
          "before it returns (an empty list or split unpacks to nothing too)"),

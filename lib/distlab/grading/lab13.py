@@ -465,7 +465,13 @@ def check_report_numbers(report_numbers) -> str:
         # a small GPT's FLOPs per token against CPU-sized peaks: the MFU is a fraction, as a run's is
         args = (rng.randrange(1, 50) * 1e4, rng.choice([256, 512, 1024]), rng.choice([2e10, 8e10]))
         want = derive_report(records, trace, *args)
-        got = report_numbers(records, trace, *args)
+        try:
+            got = report_numbers(records, trace, *args)
+        except KeyError as error:
+            steps = sorted(records[0]["step_times"])
+            raise CheckFailed(f"PP {pp} × DP {dp}: report_numbers raised KeyError {error}: a record's step_times "
+                              f"and bytes are keyed by the step numbers it lists ({steps[0]} to {steps[-1]}), so "
+                              f"read r['step_times'][k] and r['bytes'][k][axis] for those k only") from None
         if not isinstance(got, dict) or not set(want) <= set(got):
             raise CheckFailed(f"return a dict with {sorted(want)}, got {got!r}")
         where = f"PP {pp} × DP {dp}, {len(records[0]['step_times'])} steps"
