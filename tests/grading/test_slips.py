@@ -12,7 +12,7 @@ import torch.nn as nn
 
 import distlab
 from distlab.grading import check
-from distlab.grading.contract import SLIPS, describe_error, slip_of
+from distlab.grading.contract import SLIPS, describe_error, is_not_attempted, slip_of
 from distlab.runtime.launch import RankCrashed, RankFailed
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -63,6 +63,7 @@ HERE = {
                                                                    torch.ones(3, 2)),
     "mean-of-integers": lambda: torch.bincount(torch.tensor([0, 1, 1])).mean(),
     "empty-unpack": lambda: _unpack_what_forward_never_saved(),
+    "no-kernel-for-the-dtype": lambda: torch.ones(2).to(torch.float8_e4m3fn) * 2.0,
     "scaled-mm-scales": lambda: torch._scaled_mm(  # a row-wise scale_a and scale_b swapped
         torch.ones(32, 16).to(torch.float8_e4m3fn), torch.ones(16, 16).to(torch.float8_e4m3fn).t(),
         scale_a=torch.ones(1, 16), scale_b=torch.ones(32, 1), out_dtype=torch.float32),
@@ -166,6 +167,17 @@ def test_a_check_reports_the_slip_and_the_students_line():
     assert result.status == "failed", result
     assert "(at line " in result.detail and "return sizes.item() / world_size" in result.detail, result.detail
     assert result.detail.endswith("the usual slip: " + slip_of(result.detail).says), result.detail
+
+
+def test_a_missing_kernel_is_a_failed_attempt_not_an_untouched_stub():
+    """torch's NotImplementedError for an op without a kernel (arithmetic on FP8) is the student's slip, told as one;
+    only a stub's NotImplementedError ("Exercise N.k: ...") reads as not attempted."""
+    def emulated_mm(a, b, scale_a, scale_b, out_dtype):
+        return ((a.float() * scale_a) @ (b * scale_b)).to(out_dtype)  # b left in FP8
+
+    result = check("9.4", emulated_mm, None, None, quiet=True)
+    assert result.status == "failed" and "no kernel for this op in this dtype" in result.detail, result
+    assert is_not_attempted(NotImplementedError("Exercise 9.4: replace this line with your solution"))
 
 
 def test_an_error_that_is_no_slip_is_told_as_it_is():

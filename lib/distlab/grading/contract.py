@@ -65,10 +65,16 @@ class CheckResult:
 
 
 def is_not_attempted(error: BaseException) -> bool:
-    """True for the NotImplementedError an untouched stub raises, in this process or in a rank."""
-    if isinstance(error, NotImplementedError):
-        return True
-    return getattr(error, "exc_type", None) == "NotImplementedError"
+    """True for the NotImplementedError an untouched stub raises, in this process or in a rank; not for the one
+    torch raises for an op it has no kernel for (``"mul_cpu" not implemented for 'Float8_e4m3fn'``): that is an
+    attempt that fails, and :data:`SLIPS` names it."""
+    if not isinstance(error, NotImplementedError) and getattr(error, "exc_type", None) != "NotImplementedError":
+        return False
+    return not re.search(_NO_KERNEL, str(error))
+
+
+# What torch's NotImplementedError for a missing kernel says (a stub's says "Exercise N.k: ...").
+_NO_KERNEL = r"not implemented for '\w+'|Could not run 'aten::"
 
 
 def describe_error(error: BaseException) -> str:
@@ -203,6 +209,9 @@ SLIPS = [
     Slip("scaled-mm-scales", r"Invalid scaling configuration",
          "torch._scaled_mm's scales do not fit its operands: tensor-wise both are one-element float32 tensors, "
          "row-wise scale_a is (M, 1) and scale_b (1, N); check which scale goes with which operand"),
+    Slip("no-kernel-for-the-dtype", _NO_KERNEL,
+         "torch has no kernel for this op in this dtype (FP8 tensors support almost no arithmetic, integer ones no "
+         "softmax or mean): convert with .float() first, compute, and cast the result back if needed"),
     Slip("empty-unpack", r"not enough values to unpack \(expected \d+, got 0\)",
          "nothing to unpack: ctx.saved_tensors is empty unless forward saved them with ctx.save_for_backward(...) "
          "before it returns (an empty list or split unpacks to nothing too)"),

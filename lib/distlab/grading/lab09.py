@@ -294,17 +294,18 @@ def check_scaling(quantize_fn, delayed_class) -> str:
                 _compare_quantized(got, quantize(x, fmt, block), x, fmt, where, block=block)
                 count += 1
     for bad, block, side in ((x[:, :cols - 1], (1, 128), "columns"), (x[:rows - 1], (128, 128), "rows")):
-        shape = f"{bad.shape[0]}×{bad.shape[1]}"
+        error = None
         try:
             quantize_fn(bad, FORMATS["e4m3"], block)
-        except ValueError:
+        except Exception as raised:  # noqa: BLE001  a ValueError is right, any other error the mistake named below
+            error = raised
+        if isinstance(error, ValueError):
             continue
-        except Exception as error:  # noqa: BLE001  any other error is the mistake this case names
-            raise CheckFailed(f"quantizing a {shape} tensor in {block[0]}×{block[1]} blocks raised "
-                              f"{describe_error(error)}; the blocks do not divide its {side}: test both sides, "
-                              f"x.shape[0] % br and x.shape[1] % bc, and raise ValueError first") from None
-        raise CheckFailed(f"quantizing a {shape} tensor in {block[0]}×{block[1]} blocks should raise ValueError "
-                          f"(the blocks do not divide its {side}), not quietly drop or pad {side}")
+        told = (f"raised {describe_error(error)}; the blocks do not divide its {side}: test both sides, "
+                f"x.shape[0] % br and x.shape[1] % bc, and raise ValueError first" if error is not None else
+                f"should raise ValueError (the blocks do not divide its {side}), not quietly drop or pad {side}")
+        raise CheckFailed(f"quantizing a {bad.shape[0]}×{bad.shape[1]} tensor in {block[0]}×{block[1]} blocks "
+                          f"{told}")
     history = rng.randint(3, 6)
     scaler, reference = delayed_class(FORMATS["e4m3"], history), DelayedScaling("e4m3", history)
     for step in range(12):
