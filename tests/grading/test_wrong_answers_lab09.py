@@ -66,6 +66,14 @@ def quantize_tests_columns_only(x, fmt, block=None):
     return q, scale.reshape(x.shape[0] // br, x.shape[1] // bc)
 
 
+def quantize_clamps_to_fmt_min(x, fmt, block=None):
+    """A range clamped to (fmt.min, fmt.max), as if a Format had a .min: it has .max, and its range is symmetric."""
+    br, bc = x.shape if block is None else block
+    tiles = x.float().reshape(x.shape[0] // br, br, x.shape[1] // bc, bc)
+    scale = tiles.abs().amax(dim=(1, 3), keepdim=True).clamp_min(1e-30) / fmt.max
+    return (tiles / scale).clamp(fmt.min, fmt.max).to(fmt.dtype).reshape(x.shape), scale.squeeze(1).squeeze(-1)
+
+
 def auto_native_only_tensorwise(a, b, scale_a, scale_b, out_dtype=torch.bfloat16):
     """Row-wise scales always emulated, even where torch._scaled_mm takes them."""
     fits = a.shape[1] % 16 == 0 and b.shape[1] % 16 == 0
@@ -339,6 +347,8 @@ WRONG = [
     ("9.3", "quantize_blocks", zero_block_divides_by_zero, r"all-zero block has amax 0, give it scale 1"),
     ("9.3", "quantize_blocks", quantize_tests_columns_only,
      r"tensor in 128×128 blocks raised RuntimeError.*do not divide its rows: test both sides"),
+    ("9.3", "quantize_blocks", quantize_clamps_to_fmt_min,
+     r"quantize raised AttributeError: 'Format' object has no attribute 'min'.*so clamp to \(-fmt\.max, fmt\.max\)"),
     ("9.3", "MyDelayedScaling", DelayedWithoutClamp, r"clamp x / scale to ±fmt\.max"),
     ("9.3", "MyDelayedScaling", DelayedUsesCurrent, r"largest amax of the previous steps"),
     ("9.3", "MyDelayedScaling", DelayedInverted, r"not its inverse"),

@@ -285,7 +285,7 @@ def check_scaling(quantize_fn, delayed_class) -> str:
                            square=rows == cols)
                 where = f"{name} {fmt.name.upper()} of a {rows}×{cols} tensor"
                 try:
-                    got = quantize_fn(x, fmt, block)
+                    got = _quantized_by(quantize_fn, x, fmt, block)
                 except ValueError as error:
                     br, bc = x.shape if block is None else block
                     raise CheckFailed(f"{where}: raised ValueError ({first_line(error)[:80]}), but {br}×{bc} blocks "
@@ -313,7 +313,7 @@ def check_scaling(quantize_fn, delayed_class) -> str:
         if step in (5, 9):
             x[3, 7] = 400.0  # a spike the history has not seen
         case_drawn("9.3", delayed="e4m3", spike=bool(x.abs().max() > 100))
-        got, want = scaler.quantize(x), reference.quantize(x)
+        got, want = _quantized_by(scaler.quantize, x), reference.quantize(x)
         _compare_quantized(got, want, x, FORMATS["e4m3"], f"delayed scaling (history={history}), step {step}",
                            delayed=True, first=step == 0)
     # E5M2 overflows to inf where E4M3's cast saturates: a spike beyond the delayed amax shows a missing clamp
@@ -322,19 +322,32 @@ def check_scaling(quantize_fn, delayed_class) -> str:
         x = torch.randn(32, 128, generator=generator)
         if step == 3:
             x[1, 5] = -1e4
-        _compare_quantized(scaler.quantize(x), reference.quantize(x), x, FORMATS["e5m2"],
+        _compare_quantized(_quantized_by(scaler.quantize, x), reference.quantize(x), x, FORMATS["e5m2"],
                            f"delayed scaling in E5M2 (history=2), step {step}", delayed=True, first=step == 0)
     # a tensor of zeros first (amax 0: scale 1, not 0), then values under 1 (a scale below 1 is no special case)
     scaler, reference = delayed_class(FORMATS["e4m3"], 2), DelayedScaling("e4m3", 2)
     for step in range(3):
         x = torch.zeros(16, 32) if step == 0 else torch.randn(16, 32, generator=generator) * 0.01
         case_drawn("9.3", delayed="e4m3", all_zero=step == 0, below_one=bool(0 < x.abs().max() < 1))
-        _compare_quantized(scaler.quantize(x), reference.quantize(x), x, FORMATS["e4m3"],
+        _compare_quantized(_quantized_by(scaler.quantize, x), reference.quantize(x), x, FORMATS["e4m3"],
                            f"delayed scaling (history=2), step {step}: "
                            + ("all zeros" if step == 0 else "values under 1"), delayed=True, first=step == 0)
     return (f"{count} tensors with outliers, per-tensor/per-row/1×128/128×128 in E4M3 and E5M2, and 19 steps of "
             f"delayed scaling with spikes, zeros and values under 1 in E4M3 and E5M2: scales and FP8 values equal "
             f"the reference")
+
+
+def _quantized_by(quantize_fn, *args):
+    """``quantize_fn(*args)``, with an attribute a :class:`~distlab.fp8.Format` does not have named for what it
+    has: a range is symmetric, so there is no ``fmt.min`` to clamp to."""
+    try:
+        return quantize_fn(*args)
+    except AttributeError as error:
+        if "'Format' object has no attribute" not in str(error):
+            raise
+        raise CheckFailed(f"quantize raised {describe_error(error)}: a Format has .max (its largest finite value; "
+                          f"its range is symmetric, -fmt.max to fmt.max), .min_normal and .min_subnormal, so clamp "
+                          f"to (-fmt.max, fmt.max) and scale by amax / fmt.max") from None
 
 
 def _scale_mistake(got: torch.Tensor, x: torch.Tensor, fmt: Format, block) -> str:
