@@ -12,7 +12,7 @@ import torch.nn as nn
 
 import distlab
 from distlab.grading import check
-from distlab.grading.contract import SLIPS, describe_error, slip_of
+from distlab.grading.contract import SLIPS, describe_error, is_not_attempted, slip_of
 from distlab.runtime.launch import RankCrashed, RankFailed
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -57,6 +57,17 @@ HERE = {
                                                       torch.ones(1, device="meta")),
     "plain-tensor-parameter": lambda: setattr(nn.Linear(2, 2), "weight", torch.ones(2, 2)),
     "dim-out-of-range": lambda: torch.ones(2).sum(dim=1),
+    "shape-index-past-the-end": lambda: torch.ones(2, 2).shape[2],
+    "dim-and-index-swapped": lambda: torch.ones(2, 3).gather(torch.zeros(2, 1, dtype=torch.long), -1),
+    "index-along-another-dim": lambda: torch.zeros(3, 2).index_add(1, torch.zeros(3, dtype=torch.long),
+                                                                   torch.ones(3, 2)),
+    "mean-of-integers": lambda: torch.bincount(torch.tensor([0, 1, 1])).mean(),
+    "empty-unpack": lambda: _unpack_what_forward_never_saved(),
+    "no-kernel-for-the-dtype": lambda: torch.ones(2).to(torch.float8_e4m3fn) * 2.0,
+    "scaled-mm-scales": lambda: torch._scaled_mm(  # a row-wise scale_a and scale_b swapped
+        torch.ones(32, 16).to(torch.float8_e4m3fn), torch.ones(16, 16).to(torch.float8_e4m3fn).t(),
+        scale_a=torch.ones(1, 16), scale_b=torch.ones(32, 1), out_dtype=torch.float32),
+    "argument-of-another-kind": lambda: nn.functional.one_hot(3, torch.tensor([1])),
     "index-past-the-end": lambda: torch.ones(4)[4],
     "view-of-a-strided-tensor": lambda: torch.ones(4, 4).t().view(16),
     "size-of-another-shape": lambda: torch.ones(9).view(4, 2),
@@ -69,6 +80,20 @@ HERE = {
     "path-of-another-type": lambda: open(None),  # noqa: SIM115  the slip: a path argument that is None
     "linear-arguments-swapped": lambda: nn.functional.linear(torch.ones(4, 3), torch.ones(2, 2, 3)),
 }
+
+
+def _unpack_what_forward_never_saved():
+    class Doubled(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return 2 * x  # the slip: no ctx.save_for_backward(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            (x,) = ctx.saved_tensors
+            return 2 * grad
+
+    Doubled.apply(torch.ones(2, requires_grad=True)).sum().backward()
 
 
 def _use_before_assigning():
@@ -142,6 +167,17 @@ def test_a_check_reports_the_slip_and_the_students_line():
     assert result.status == "failed", result
     assert "(at line " in result.detail and "return sizes.item() / world_size" in result.detail, result.detail
     assert result.detail.endswith("the usual slip: " + slip_of(result.detail).says), result.detail
+
+
+def test_a_missing_kernel_is_a_failed_attempt_not_an_untouched_stub():
+    """torch's NotImplementedError for an op without a kernel (arithmetic on FP8) is the student's slip, told as one;
+    only a stub's NotImplementedError ("Exercise N.k: ...") reads as not attempted."""
+    def emulated_mm(a, b, scale_a, scale_b, out_dtype):
+        return ((a.float() * scale_a) @ (b * scale_b)).to(out_dtype)  # b left in FP8
+
+    result = check("9.4", emulated_mm, None, None, quiet=True)
+    assert result.status == "failed" and "no kernel for this op in this dtype" in result.detail, result
+    assert is_not_attempted(NotImplementedError("Exercise 9.4: replace this line with your solution"))
 
 
 def test_an_error_that_is_no_slip_is_told_as_it_is():
