@@ -75,7 +75,7 @@ TEST_WORKERS ?= $(shell $(PY) -c 'import os; print(min(4, len(os.sched_getaffini
 	if hasattr(os, "sched_getaffinity") else os.cpu_count() or 1))')
 XDIST = -n $(TEST_WORKERS)
 test-phases:
-	@SECONDS=0; $(PY) -m pytest -q --durations=20 $(XDIST) --dist loadgroup --no-loadscope-reorder tests; \
+	@SECONDS=0; $(PY) -m pytest -q --durations=20 $(XDIST) --dist loadscope --no-loadscope-reorder tests; \
 		status=$$?; echo "make test: tests took $$SECONDS s"; exit $$status
 	@SECONDS=0; $(PY) -m pytest -q $(XDIST) --dist loadfile --nbval --nbval-sanitize-with tests/nbval_sanitize.cfg \
 		--nbval-cell-timeout 600 -p no:cacheprovider solutions/; status=$$?; echo "make test: nbval took $$SECONDS s"; \

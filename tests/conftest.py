@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from processes import rank_processes
+from processes import rank_processes, shared_ranks_end_here
 
 REPO = Path(__file__).resolve().parents[1]
 SHARED = REPO.parent / "shared"
@@ -24,6 +24,15 @@ def one_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(threads)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def warm_groups_end_with_their_module():
+    """Warm groups (``Ranks.shared``, ``launch(warm=True)``, the checkers' too) serve a module's tests, so a rank
+    start is paid once per module; they end with it, and no rank may be left. Without this a module whose checks
+    left warm ranks behind failed the next module's ``no_leftover_ranks`` (a fresh machine's make test once did,
+    on three idle ranks of a 3-rank check), and whether a test passed depended on which tests ran before it."""
+    yield from shared_ranks_end_here()
 
 
 @pytest.fixture
@@ -72,17 +81,38 @@ LONGEST_FIRST = ("test_notebooks.py", "test_data_ray.py", "test_instructor_guide
                  "test_launcher_faults.py", "test_fresh_machine.py", "test_browser.py", "test_launcher.py",
                  "test_grading_class.py", "test_gpu_check.py", "test_ddp.py", "test_payload.py")
 
+# Tests whose parameters may each run on whichever worker is free, beside the rest of their module: shares of a long
+# test (the generated labs are graded in two shares, the reference seeds lab by lab).
+RUN_APART = ("tests/test_notebooks.py::test_generated_labs_grade_zero_and_run_to_the_end",
+             "tests/grading/test_reference_seeds.py::"
+             "test_each_reference_passes_under_another_seed_and_its_cases_cover_its_edges")
+
+
+def scope_of(nodeid: str) -> str:
+    """The unit ``make test`` hands a worker a test in: its module, or the test itself when it is in RUN_APART."""
+    return nodeid if nodeid.split("[", 1)[0] in RUN_APART else nodeid.split("::", 1)[0]
+
+
+def pytest_xdist_make_scheduler(config, log):
+    """Under ``make test`` (``-n …``) a test module runs whole on one worker, so its module-scoped fixtures (warm
+    ranks, a Ray cluster, a graded class) start once, as in a serial run. Our own scheduler, not ``--dist loadgroup``:
+    pytest 9.2 reads a test's id from a field pytest-xdist 3.8's ``xdist_group`` does not rewrite, so the groups
+    silently fell apart and each worker set up the same module fixtures again (the forgery suite graded its 24
+    notebooks twice, 50 s each)."""
+    from xdist.scheduler import LoadScopeScheduling  # noqa: PLC0415  only a run with workers has a scheduler
+
+    class ModuleScheduling(LoadScopeScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return scope_of(nodeid)
+
+    return ModuleScheduling(config, log)
+
 
 @pytest.hookimpl(tryfirst=True)
 def pytest_collection_modifyitems(config, items):
-    """Under ``make test`` (``-n … --dist loadgroup``) a test module runs whole on one worker, so its module-scoped
-    fixtures (warm ranks, a Ray cluster) start once, as in a serial run; a test that names its own ``xdist_group``
-    (a share of a long test) may run beside the rest of its module. The longest modules go first."""
+    """The longest modules go first (``LONGEST_FIRST``); within a module, the order the tests are written in."""
     def rank(item):
         name = item.path.name
         return LONGEST_FIRST.index(name) if name in LONGEST_FIRST else len(LONGEST_FIRST)
 
-    items.sort(key=rank)  # stable: within a module, the order the tests are written in
-    for item in items:
-        if item.get_closest_marker("xdist_group") is None:
-            item.add_marker(pytest.mark.xdist_group(str(item.path.relative_to(config.rootpath))))
+    items.sort(key=rank)  # stable

@@ -53,8 +53,6 @@ from distlab.fault_tolerance.stragglers import find_stragglers, pace_by_rank, st
 from distlab.model import GPT, GPTConfig, synthetic_batch
 from distlab.runtime.launch import CollectiveTimeout, RankCrashed
 
-from processes import shared_ranks_end_here
-
 CFG = GPTConfig(vocab_size=64, seq_len=16, n_layer=1, n_head=2, d_model=16)
 SMALL = dict(cfg=CFG, batch_size=4, n_items=10)  # 10 sequences, batches of 4: epochs wrap mid-run
 
@@ -62,14 +60,6 @@ SMALL = dict(cfg=CFG, batch_size=4, n_items=10)  # 10 sequences, batches of 4: e
 # Jobs defined here travel to the ranks by value: a rank need not import pytest and this file.
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 pytestmark = [pytest.mark.timeout(180)]
-
-
-@pytest.fixture(scope="module", autouse=True)
-def ranks_end_with_the_module():
-    """The tests share warm groups (``Ranks.shared``, as the checkers do), so a rank start is paid once
-    per module, not per test. At the end of the module the groups close and no rank may be left: the
-    module-wide form of conftest's ``no_leftover_ranks``."""
-    yield from shared_ranks_end_here()
 
 
 def _ranks(n):

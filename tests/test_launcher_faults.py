@@ -22,8 +22,9 @@ import torch
 import torch.distributed as dist
 
 import distlab
-from distlab.runtime import diagnose
+from distlab.runtime import diagnose, reaper
 from distlab.runtime import group as rank_group
+from distlab.runtime.interrupts import interrupts_deferred
 
 from processes import alive
 
@@ -403,6 +404,44 @@ def test_two_interrupts_in_a_row_still_end_every_rank_and_never_return_stale_val
         assert "next [0, 1, 2]" in out, out + err
     assert "temp files []" in out, out + err
     assert not _survivors(tmp_path)
+
+
+def test_an_interrupt_during_a_rank_start_arrives_once_the_rank_is_recorded():
+    """The step from fork to "the launcher knows this pid" is never cut: an interrupt inside it waits for its end.
+    (Cut, the forkserver has forked a rank that no close() and no reaper would ever end.)"""
+    steps = []
+    with pytest.raises(KeyboardInterrupt):
+        with interrupts_deferred():
+            os.kill(os.getpid(), signal.SIGINT)
+            time.sleep(0.05)  # Python runs a signal handler at the next bytecode: the press has been seen
+            steps.append("recorded")
+    assert steps == ["recorded"]
+
+
+def test_the_reaper_kills_a_rank_that_does_not_yet_lead_a_group_but_never_a_stranger():
+    """A launcher killed right after forking a rank: that rank has not yet called setpgid, so the reaper's
+    killpg finds no group, and the rank is killed by its pid, as a child of the reaper's own forkserver. A pid
+    that is not (a process of this test's) is left alone."""
+    ctx = rank_group.forkserver_context()
+    lifeline_end, lifeline = ctx.Pipe(duplex=False)
+    watcher = ctx.Process(target=reaper.main, args=(lifeline_end,), daemon=True)
+    watcher.start()
+    lifeline_end.close()
+    rank_like = ctx.Process(target=time.sleep, args=(120,))  # a forkserver child that never leads a group
+    rank_like.start()
+    stranger = subprocess.Popen(["sleep", "120"])
+    try:
+        lifeline.send(rank_like.pid)
+        lifeline.send(stranger.pid)
+        lifeline.close()  # the launcher is gone: end-of-file without the closing None
+        rank_like.join(timeout=60)
+        watcher.join(timeout=60)
+        assert rank_like.exitcode == -signal.SIGKILL, rank_like.exitcode
+        assert stranger.poll() is None, "the reaper killed a process that is not a rank"
+    finally:
+        stranger.kill()
+        stranger.wait(timeout=30)
+        rank_like.kill()
 
 
 @pytest.mark.parametrize("spin", ["gil", "sleep"])

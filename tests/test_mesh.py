@@ -160,7 +160,7 @@ def test_checkers_pass_the_reference_and_name_the_usual_mistakes(ranks8):
     from distlab.parallel3d.grid import average_gradients
 
     assert "6 grids" in lab11.check_grid_groups(_grid_groups)
-    with pytest.raises(CheckFailed, match=r"rank 0's pp group is \[0, 1\], expected \[0, 2\] \(PP ranks are tp apart"):
+    with pytest.raises(CheckFailed, match=r"rank 0's pp group is \[0, 1\], expected \[0, 2\]: PP ranks are tp apart"):
         lab11.check_grid_groups(lambda world, dp, pp, tp: {"dp": _grid_groups(world, dp, pp, tp)["dp"],
                                                            "pp": _grid_groups(world, dp, pp, tp)["tp"],
                                                            "tp": _grid_groups(world, dp, pp, tp)["pp"]})

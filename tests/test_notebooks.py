@@ -203,9 +203,7 @@ GENERATED_LABS = sorted(str(p) for p in (REPO / "labs").glob("[0-9][0-9]_*.ipynb
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.parametrize("labs", [pytest.param(GENERATED_LABS[share::2], id=f"share{share}",
-                                               marks=pytest.mark.xdist_group(f"generated-labs-{share}"))
-                                  for share in (0, 1)])
+@pytest.mark.parametrize("labs", [pytest.param(GENERATED_LABS[share::2], id=f"share{share}") for share in (0, 1)])
 def test_generated_labs_grade_zero_and_run_to_the_end(labs, tmp_path):
     """Every generated lab runs top to bottom with its stubs in place: no cell raises, every check and
     question reports 'not attempted'. Graded as a class, with warm kernels, as many at once as cores allow;

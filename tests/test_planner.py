@@ -240,6 +240,24 @@ def test_ranks_sharing_cores_run_faster_when_the_schedule_leaves_some_idle():
     assert times[("full", 2)] * 0.5 < times[("shared", 2)] < times[("full", 2)]
 
 
+@pytest.mark.parametrize("m", [1, 8])
+def test_each_compute_is_priced_by_the_ranks_computing_during_it(m):
+    """2 ranks on 1 core, a balanced 2-stage pipeline: a compute alone runs at a whole core's speed, one beside the
+    other rank's at half. With one micro-batch nothing overlaps (half the time of 2 ranks on 2 cores); with eight,
+    most of the work overlaps, so it runs nearer the shared speed than the step's mean demand (1 - bubble) says,
+    and the fill and the drain, computed alone, shrink the bubble."""
+    model = ModelShape.from_config(TINY)
+    own_core, one_core = (_calibration(2, cores=c, links=0.0, head_forward=0.0, head_backward=0.0) for c in (2.0, 1.0))
+    own, shared = (estimate(model, calibrated_cluster(c, 1e9), Layout(dp=1, pp=2, m=m), m, precision="fp32",
+                            calibration=c) for c in (own_core, one_core))
+    ratio = shared.seconds["compute"] / own.seconds["compute"]
+    if m == 1:
+        assert ratio == pytest.approx(0.5) and shared.bubble == pytest.approx(own.bubble)
+    else:
+        assert 1 - own.bubble + 0.03 < ratio < 1.0, ratio
+        assert shared.bubble < own.bubble - 0.03, (shared.bubble, own.bubble)
+
+
 def test_a_calibration_prices_what_it_measured_and_refuses_the_rest():
     model = ModelShape.from_config(TINY)
     cal = _calibration(4, cores=4.0)

@@ -1,8 +1,13 @@
 """The kernel's TCP byte counters (distlab.runtime.wire) measure what gloo really sends: an exact
 point-to-point payload to within gloo's framing, and a built-in all-reduce at the ring's 2(N-1)/N * M
-plus gloo's protocol (48-byte preambles), as distlab.collectives.gloo_all_reduce_wire counts it."""
+plus gloo's protocol (48-byte preambles), as distlab.collectives.gloo_all_reduce_wire counts it. Read from
+outside the ranks, by the grading process (distlab.grading.wiretap), the same counters tell one all-reduce
+from none, from two and from a barrier, whatever the ranks' own logs say."""
 
+import ctypes
+import os
 import sys
+from pathlib import Path
 
 import cloudpickle
 import pytest
@@ -11,6 +16,7 @@ import torch.distributed as dist
 
 import distlab
 from distlab import collectives as C
+from distlab.grading import wiretap
 from distlab.runtime import wire
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -84,3 +90,91 @@ def test_outside_a_gloo_group_nothing_is_claimed():
     assert not wire.supported()
     with pytest.raises(RuntimeError, match="gloo process group"), wire.count():
         pass
+
+
+# ---------------------------------------------------------------- the same counters, read from outside the ranks
+
+INT64 = 8  # bytes of the one-element int64 tensor the solution of exercise 0.1 reduces
+
+
+def _communicate(what: str) -> None:
+    total = torch.tensor([dist.get_rank()])
+    if what == "barrier":
+        dist.barrier()
+    for _ in range({"one": 1, "two": 2}.get(what, 0)):
+        dist.all_reduce(total)
+
+
+@pytest.mark.skipif(not wiretap.available(), reason="the grader reads the counters through Linux's sock_diag")
+@pytest.mark.parametrize("what, one", [("one", True), ("none", False), ("two", False), ("barrier", False)])
+def test_read_from_outside_the_counters_tell_one_all_reduce_from_none_two_and_a_barrier(ranks, what, one):
+    _, sent = wiretap.observed_job(ranks, _communicate, what)
+    assert wiretap.one_all_reduce(sent, INT64, (INT64,)) is one, sent
+    if what == "none":
+        assert sent == [0] * 4  # the store's connection and the launcher's pipes are not the ranks' traffic
+    if what == "one":  # what gloo's ring and framing predict, to within what a busy machine adds
+        predicted = [C.gloo_all_reduce_wire(INT64, 4, r, INT64).total for r in range(4)]
+        assert all(p <= got <= p + wiretap.allowance(INT64) for got, p in zip(sent, predicted)), (sent, predicted)
+
+
+def _dumpable(flag: int) -> None:
+    ctypes.CDLL(None).prctl(4, flag, 0, 0, 0)  # PR_SET_DUMPABLE: 0 closes /proc/<pid>/fd to other processes
+
+
+def _may_trace_anything() -> bool:
+    """CAP_SYS_PTRACE (root's, usually): this process lists even an undumpable process's descriptors."""
+    status = Path("/proc/self/status").read_text() if os.path.exists("/proc/self/status") else ""
+    effective = next((line.split()[1] for line in status.splitlines() if line.startswith("CapEff:")), "0")
+    return bool(int(effective, 16) & (1 << 19))
+
+
+@pytest.mark.skipif(not wiretap.available() or _may_trace_anything(), reason="the grader reads the counters "
+                    "through Linux's sock_diag; with CAP_SYS_PTRACE it lists any process's descriptors")
+def test_a_rank_that_hides_its_sockets_is_unaccounted(ranks):
+    try:
+        with pytest.raises(wiretap.Unaccounted, match="cannot be listed"):
+            wiretap.observed_job(ranks, _dumpable, 0)
+    finally:
+        ranks.run(_dumpable, args=(1,), show_output=False)
+
+
+def _own_connection(nbytes: int, keep: bool) -> None:
+    """Rank 0 sends rank 1 ``nbytes`` over a connection of its own (the port goes through the store); ``keep``
+    leaves it open (on the ``socket`` module, for :func:`_close_own_connection`), for the kernel to count."""
+    import socket  # noqa: PLC0415  what a forger would import in the rank
+
+    store, kept = dist.distributed_c10d._get_default_store(), []
+    if dist.get_rank() == 1:
+        with socket.create_server(("127.0.0.1", 0)) as server:
+            store.set(f"forged-port-{keep}", str(server.getsockname()[1]))
+            connection, _ = server.accept()
+            connection.recv(nbytes, socket.MSG_WAITALL)
+            kept.append(connection)
+    elif dist.get_rank() == 0:
+        store.wait([f"forged-port-{keep}"])
+        client = socket.create_connection(("127.0.0.1", int(store.get(f"forged-port-{keep}"))))
+        client.sendall(bytes(nbytes))
+        kept.append(client)
+    if not keep:
+        for connection in kept:
+            connection.close()
+    socket.forged_connections = kept if keep else []
+
+
+def _close_own_connection() -> None:
+    import socket  # noqa: PLC0415  as above
+
+    for kept in getattr(socket, "forged_connections", []):
+        kept.close()
+
+
+@pytest.mark.skipif(not wiretap.available(), reason="the grader reads the counters through Linux's sock_diag")
+def test_bytes_a_rank_sends_another_over_a_connection_of_its_own_never_count(ranks):
+    """Closed before the job ends, the connection's count goes with it; left open, it is reported."""
+    _, sent = wiretap.observed_job(ranks, _own_connection, 152, False)
+    assert sent == [0] * 4
+    try:
+        with pytest.raises(wiretap.Unaccounted, match="opened 2 and closed 0 connections"):
+            wiretap.observed_job(ranks, _own_connection, 152, True)
+    finally:
+        ranks.run(_close_own_connection, show_output=False)

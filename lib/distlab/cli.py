@@ -117,6 +117,10 @@ def _grade(args) -> int:
         print("distlab grade: --changed needs --json FILE (the last report, which it reads and rewrites)",
               file=sys.stderr)
         return 2
+    if args.times and not args.deadline:
+        print("distlab grade: --times needs --deadline TIME (the submission times are read to flag late ones)",
+              file=sys.stderr)
+        return 2
     try:
         deadline = parse_time(args.deadline) if args.deadline else None
         times = submission_times([p for p, _ in submissions], [s for _, s in submissions], args.times) \

@@ -12,8 +12,8 @@ code instead of an answer), a kernel that prints a passing line and exits, resul
 the notebook, reading the grader's environment and memory, ending the grader's forkserver, and editing an installed
 checker. Lab 00 is the cheapest real lab (its checks run on ranks); lab 01's run in the sandbox (single-process
 functions). All notebooks of a kind are graded in one run, so the suite pays for one kernel factory and one grader
-factory. One hole is documented here rather than closed (a strict xfail): a count the student's own process takes
-of its calls is theirs to rewrite.
+factory. A count the student's own process takes of its calls is theirs to rewrite: a rank that rewrites its log of
+collectives is caught by the kernel's counters of its sockets, read from the grading process.
 """
 
 import base64
@@ -25,7 +25,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-from distlab.grading import classroom
+from distlab.grading import classroom, wiretap
 from distlab.grading.classroom import InstallationChanged, grade_notebooks
 from distlab.grading.registry import exercises_of_lab
 
@@ -356,7 +356,8 @@ result = distlab.check("0.1", rank_sum)
 FORGED_COUNT = """def rank_sum():
     import torch.distributed as d
     from distlab.runtime import comm
-    comm.current_log().ops["all_reduce"].calls += 1  # the rank's own count of its calls: no all-reduce was made
+    stats = comm.current_log().ops["all_reduce"]  # the rank's own count of its calls: no all-reduce was made
+    stats.calls, stats.payload_bytes = stats.calls + 1, stats.payload_bytes + 8  # as the solution's int64 would
     return d.get_rank(), d.get_world_size(), d.get_world_size() * (d.get_world_size() - 1) // 2
 
 
@@ -450,12 +451,14 @@ def test_a_forger_scores_what_the_untouched_lab_scores(graded, forger):
 
 
 @pytest.mark.timeout(900)
-@pytest.mark.xfail(strict=True, reason="a known hole, not closed here: a count taken in the process that runs the "
-                   "student's code (here the rank's log of its collective calls) is that process's to rewrite; 0.1's "
-                   "'exactly one all_reduce' needs the count taken outside the rank (the kernel's socket counters)")
+@pytest.mark.skipif(not wiretap.available(), reason="the kernel's per-socket counters are read through Linux's "
+                    "sock_diag: elsewhere 0.1 reads the ranks' own count (course/instructor_guide.md says so)")
 def test_a_rank_that_rewrites_its_own_count_of_collectives_scores_nothing(graded):
+    """A count the rank takes of its own calls is the student's to rewrite: 0.1 holds it against the bytes the
+    kernel counted on the ranks' sockets (distlab.grading.wiretap), and a record that disagrees scores 0."""
     grades, _, _ = graded
-    assert {e["id"]: e["status"] for e in grades["count"].exercises}["0.1"] != "passed"
+    exercise = {e["id"]: e for e in grades["count"].exercises}["0.1"]
+    assert exercise["status"] == "failed" and "disagrees with what the kernel saw" in exercise["detail"], exercise
 
 
 @pytest.mark.timeout(900)

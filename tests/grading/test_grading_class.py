@@ -149,6 +149,9 @@ def test_a_missing_times_file_or_a_pattern_that_matched_nothing_is_one_line_and_
     assert main(["grade", str(tmp_path / "submissions"), *late]) == 2
     err = capsys.readouterr().err.strip()
     assert err == f"distlab grade: --times {missing}: No such file or directory", err
+    assert main(["grade", str(tmp_path / "submissions"), "--times", str(missing)]) == 2  # times, but no deadline
+    err = capsys.readouterr().err.strip()
+    assert err == "distlab grade: --times needs --deadline TIME (the submission times are read to flag late ones)", err
     pattern = str(tmp_path / "submissions" / "*.ipynb")  # what bash passes on when a pattern matches no file
     assert main(["grade", pattern]) == 2
     err = capsys.readouterr().err.strip()
@@ -169,6 +172,10 @@ def test_an_instructors_terminal_shows_a_bar_of_the_notebooks_and_a_log_only_the
     assert main(arguments) == 1
     logged = capfd.readouterr().err
     assert "[1/1] 00_setup: 0/7 points" in logged and "grading:" not in logged, logged
+    written = json.loads((tmp_path / "grades.json").read_text())  # the guide's example report has today's fields
+    example = json.loads((REPO / "course" / "examples" / "grade_report.json").read_text())
+    assert set(example) == set(written) and set(example["notebooks"][0]) == set(written["notebooks"][0])
+    assert set(example["notebooks"][0]["exercises"][0]) == set(written["notebooks"][0]["exercises"][0])
     monkeypatch.setattr(progress, "audience", lambda: "terminal")
     assert main(arguments) == 1
     drawn = capfd.readouterr().err.replace("\r", "\n")

@@ -42,9 +42,7 @@ def test_every_exercise_of_these_labs_lists_its_edges():
     assert not missing, f"exercises with no EDGES (the boundaries their text names): {missing}"
 
 
-@pytest.mark.parametrize("lab", [pytest.param(lab, id=f"lab{lab:02d}",  # each lab may run on its own worker
-                                               marks=pytest.mark.xdist_group(f"reference_seeds_lab{lab:02d}"))
-                                  for lab in LABS])
+@pytest.mark.parametrize("lab", [pytest.param(lab, id=f"lab{lab:02d}") for lab in LABS])  # RUN_APART: a worker each
 def test_each_reference_passes_under_another_seed_and_its_cases_cover_its_edges(lab, monkeypatch):
     source = lab_source(lab)
     namespace, _ = reference_namespace(source)

@@ -12,7 +12,7 @@ import torch.nn as nn
 
 import distlab
 from distlab.grading import check
-from distlab.grading.contract import SLIPS, describe_error, slip_of
+from distlab.grading.contract import SLIPS, describe_error, is_not_attempted, slip_of
 from distlab.runtime.launch import RankCrashed, RankFailed
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
@@ -57,6 +57,17 @@ HERE = {
                                                       torch.ones(1, device="meta")),
     "plain-tensor-parameter": lambda: setattr(nn.Linear(2, 2), "weight", torch.ones(2, 2)),
     "dim-out-of-range": lambda: torch.ones(2).sum(dim=1),
+    "shape-index-past-the-end": lambda: torch.ones(2, 2).shape[2],
+    "dim-and-index-swapped": lambda: torch.ones(2, 3).gather(torch.zeros(2, 1, dtype=torch.long), -1),
+    "index-along-another-dim": lambda: torch.zeros(3, 2).index_add(1, torch.zeros(3, dtype=torch.long),
+                                                                   torch.ones(3, 2)),
+    "mean-of-integers": lambda: torch.bincount(torch.tensor([0, 1, 1])).mean(),
+    "empty-unpack": lambda: _unpack_what_forward_never_saved(),
+    "no-kernel-for-the-dtype": lambda: torch.ones(2).to(torch.float8_e4m3fn) * 2.0,
+    "scaled-mm-scales": lambda: torch._scaled_mm(  # a row-wise scale_a and scale_b swapped
+        torch.ones(32, 16).to(torch.float8_e4m3fn), torch.ones(16, 16).to(torch.float8_e4m3fn).t(),
+        scale_a=torch.ones(1, 16), scale_b=torch.ones(32, 1), out_dtype=torch.float32),
+    "argument-of-another-kind": lambda: nn.functional.one_hot(3, torch.tensor([1])),
     "index-past-the-end": lambda: torch.ones(4)[4],
     "view-of-a-strided-tensor": lambda: torch.ones(4, 4).t().view(16),
     "size-of-another-shape": lambda: torch.ones(9).view(4, 2),
@@ -71,9 +82,8 @@ HERE = {
     "empty-list-joined": lambda: torch.cat([t for t in [torch.ones(2)] if t.sum() > 5]),
     "none-in-a-list": lambda: torch.cat([None]),
     "ctx-attribute-unset": lambda: _CtxUnset.apply(torch.ones(2, requires_grad=True)).sum().backward(),
-    "another-type-for-a-tensor": lambda: torch.zeros(nn.Linear(2, 2).size()),
     "p2p-op-arguments": lambda: dist.P2POp(torch.ones(1), dist.isend, 1),
-    "torch-arguments-order": lambda: torch.ones(2, 2).gather(torch.zeros(2, 1, dtype=torch.long), -1),
+    "torch-arguments-order": lambda: torch.ones(2).masked_fill(0, torch.ones(2, dtype=torch.bool)),
     "unpacked-count": lambda: [a for a, b in zip([(1, 2, 3)])],
     "compared-types": lambda: sorted([("F", 1), 0]),
     "lookup-in-an-empty-table": lambda: nn.functional.embedding(torch.tensor([0]), torch.ones(0, 2)),
@@ -91,6 +101,20 @@ class _CtxUnset(torch.autograd.Function):
     @staticmethod
     def backward(ctx, grad):
         return grad * ctx.scale
+
+
+def _unpack_what_forward_never_saved():
+    class Doubled(torch.autograd.Function):
+        @staticmethod
+        def forward(ctx, x):
+            return 2 * x  # the slip: no ctx.save_for_backward(x)
+
+        @staticmethod
+        def backward(ctx, grad):
+            (x,) = ctx.saved_tensors
+            return 2 * grad
+
+    Doubled.apply(torch.ones(2, requires_grad=True)).sum().backward()
 
 
 def _use_before_assigning():
@@ -171,6 +195,17 @@ def test_a_check_reports_the_slip_and_the_students_line():
     assert result.detail.endswith("the usual slip: " + slip_of(result.detail).says), result.detail
 
 
+def test_a_missing_kernel_is_a_failed_attempt_not_an_untouched_stub():
+    """torch's NotImplementedError for an op without a kernel (arithmetic on FP8) is the student's slip, told as one;
+    only a stub's NotImplementedError ("Exercise N.k: ...") reads as not attempted."""
+    def emulated_mm(a, b, scale_a, scale_b, out_dtype):
+        return ((a.float() * scale_a) @ (b * scale_b)).to(out_dtype)  # b left in FP8
+
+    result = check("9.4", emulated_mm, None, None, quiet=True)
+    assert result.status == "failed" and "no kernel for this op in this dtype" in result.detail, result
+    assert is_not_attempted(NotImplementedError("Exercise 9.4: replace this line with your solution"))
+
+
 def test_an_error_that_is_no_slip_is_told_as_it_is():
     error = ValueError("the student's own message")
     assert slip_of(error) is None and describe_error(error) == "ValueError: the student's own message"
@@ -183,13 +218,12 @@ ALSO = [
     ("matmul-shapes", lambda: torch.ones(2, 1, 3) @ torch.ones(2, 4, 3)),
     ("sizes-differ", lambda: torch.ones(13).expand(4)),
     ("sizes-differ", lambda: torch.ones(1, 3).add_(torch.ones(2, 3))),
-    ("float-size", lambda: torch.ones(4).reshape(2, 4 / 2)),
     ("index-past-the-end", lambda: [0].__setitem__(2, 1)),
-    ("another-type-for-a-tensor", lambda: (3)[0]),  # noqa: PLE1136  the slip: a number indexed
-    ("another-type-for-a-tensor", lambda: len(3)),
-    ("another-type-for-a-tensor", lambda: [1, 2][torch.ones(2, dtype=torch.long)]),
-    ("torch-arguments-order", lambda: torch.ones(2).masked_fill(0, torch.ones(2, dtype=torch.bool))),
+    ("argument-of-another-kind", lambda: torch.zeros(nn.Linear(2, 2).size())),
+    ("argument-of-another-kind", lambda: len(3)),
+    ("argument-of-another-kind", lambda: [1, 2][torch.ones(2, dtype=torch.long)]),
     ("torch-arguments-order", lambda: torch.where(torch.zeros(2), torch.ones(2), torch.ones(2))),
+    ("unpacked-count", lambda: [a for a, b in [(1, 2, 3)]]),
 ]
 
 

@@ -49,6 +49,14 @@ def rank_always_zero():
     return 0, dist.get_world_size(), total.item()
 
 
+def all_reduce_and_barrier():
+    """One all-reduce, and a barrier "to be safe": the grader holds the ranks' bytes to one all-reduce's."""
+    total = torch.tensor([dist.get_rank()])
+    dist.all_reduce(total)
+    dist.barrier()
+    return dist.get_rank(), dist.get_world_size(), total.item()
+
+
 # ---------------------------------------------------------------- 0.2
 
 def sum_not_mean(tensor):
@@ -87,6 +95,8 @@ WRONG = [
     ("0.1", "an all-reduce of ones", (all_reduce_of_ones,), r"that counts the ranks: each rank should put its own id"),
     ("0.1", "rank ids from 1", (ranks_from_one,), r"that sums rank \+ 1: rank ids start at 0"),
     ("0.1", "rank 0 everywhere", (rank_always_zero,), r"rank 1 of 2 returned rank=0; use dist.get_rank\(\)"),
+    ("0.1", "an all-reduce and a barrier", (all_reduce_and_barrier,), r"rank 0 of 2 also called barrier: compute "
+     r"the sum with one all_reduce and no other communication"),
     ("0.2", "the sum, not the mean", (sum_not_mean,), r"that is the sum over 2 ranks: divide by the world size"),
     ("0.2", "floor division", (floor_division,), r"the mean rounded down to whole numbers: // is floor division"),
     ("0.2", "multiplied by the world size", (multiplied,), r"the sum multiplied by the world size 2: divide by it"),

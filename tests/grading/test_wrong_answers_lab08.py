@@ -65,6 +65,22 @@ def route_softmax_over_tokens(x, weight, k, bias=None):
     return Routing(logits, probs, experts, gates / gates.sum(-1, keepdim=True) if k > 1 else gates)
 
 
+def route_softmax_in_input_dtype(x, weight, k, bias=None):
+    """8.1: the softmax of bf16 logits in bf16, not fp32."""
+    logits = x @ weight.t()
+    probs = torch.softmax(logits, dim=-1)
+    experts = (probs if bias is None else probs + bias).topk(k, dim=-1).indices
+    gates = probs.gather(-1, experts)
+    return Routing(logits, probs, experts, gates / gates.sum(-1, keepdim=True) if k > 1 else gates)
+
+
+def route_k_one_rejected(x, weight, k, bias=None):
+    """8.1: the check on k written 1 < k: a valid top-1 router raises."""
+    if not 1 < k <= weight.shape[0]:
+        raise ValueError(f"k={k} experts per token, but the router has {weight.shape[0]} experts")
+    return route(x, weight, k, bias)
+
+
 def route_no_k_check(x, weight, k, bias=None):
     """8.1: k larger than the number of experts is not rejected (topk raises its own RuntimeError)."""
     probs = torch.softmax((x @ weight.t()).float(), dim=-1)
@@ -240,10 +256,15 @@ def ep_no_gates(x, routing, keep, local_experts):
 
 WRONG = [
     # (exercise, name in the notebook, wrong answer, what the failure must say)
-    ("8.1", "route", route_raw_gates, r"gates are the raw probabilities: renormalise"),
+    ("8.1", "route", route_raw_gates, r"gates are the raw probabilities: divide them by their sum over the k choices"),
     ("8.1", "route", route_always_renormalised, r"with k=1 every gate came out 1.0"),
     ("8.1", "route", route_bias_in_gates, r"the bias leaked into the gates"),
-    ("8.1", "route", route_softmax_over_tokens, r"softmax\(x @ weight.T\) over the experts \(dim=-1\)"),
+    ("8.1", "route", route_softmax_over_tokens, r"softmax\(x @ weight.T\) over the experts \(dim=-1\).*a softmax "
+                                                r"over the tokens: take it over the experts, dim=-1"),
+    ("8.1", "route", route_softmax_in_input_dtype, r"bf16 x and weight: .*probs came out torch.bfloat16: take the "
+                                                   r"softmax in fp32"),
+    ("8.1", "route", route_k_one_rejected, r"k=1\) raised ValueError .*but k=1 of \d+ experts is valid: check the "
+                                           r"condition before your raise"),
     ("8.1", "route", route_no_k_check, r"k > experts must raise ValueError"),
     ("8.1", "route", route_k_below_experts, r"k=8\) with 8 experts .*raised ValueError .*from 1 to the number of "
                                             r"experts, weight.shape\[0\], inclusive"),

@@ -48,6 +48,40 @@ def decode_implicit_one_in_subnormals(code, fmt):
     return decode(code, fmt)
 
 
+def decode_unsigned_zero(code, fmt):
+    """The sign bit dropped for zero: 0x80 decoded as +0.0."""
+    value = decode(code, fmt)
+    return 0.0 if value == 0 else value
+
+
+def quantize_tests_columns_only(x, fmt, block=None):
+    """Only the columns tested against the block: rows that the blocks do not divide get past the test."""
+    br, bc = x.shape if block is None else block
+    if x.shape[1] % bc:
+        raise ValueError(f"{br}x{bc} blocks do not tile a {x.shape[0]}x{x.shape[1]} tensor")
+    tiles = x.float().reshape(x.shape[0] // br, br, x.shape[1] // bc, bc)
+    amax = tiles.abs().amax(dim=(1, 3), keepdim=True)
+    scale = torch.where(amax > 0, amax / fmt.max, torch.ones_like(amax))
+    q = (tiles / scale).clamp(-fmt.max, fmt.max).to(fmt.dtype).reshape(x.shape)
+    return q, scale.reshape(x.shape[0] // br, x.shape[1] // bc)
+
+
+def quantize_clamps_to_fmt_min(x, fmt, block=None):
+    """A range clamped to (fmt.min, fmt.max), as if a Format had a .min: it has .max, and its range is symmetric."""
+    br, bc = x.shape if block is None else block
+    tiles = x.float().reshape(x.shape[0] // br, br, x.shape[1] // bc, bc)
+    scale = tiles.abs().amax(dim=(1, 3), keepdim=True).clamp_min(1e-30) / fmt.max
+    return (tiles / scale).clamp(fmt.min, fmt.max).to(fmt.dtype).reshape(x.shape), scale.squeeze(1).squeeze(-1)
+
+
+def auto_native_only_tensorwise(a, b, scale_a, scale_b, out_dtype=torch.bfloat16):
+    """Row-wise scales always emulated, even where torch._scaled_mm takes them."""
+    fits = a.shape[1] % 16 == 0 and b.shape[1] % 16 == 0
+    if fits and scale_a.numel() == 1:
+        return SOLUTION["native_mm"](a, b, scale_a, scale_b, out_dtype), "torch._scaled_mm"
+    return SOLUTION["emulated_mm"](a, b, scale_a, scale_b, out_dtype), "emulated"
+
+
 def decode_e4m3_as_ieee(code, fmt):
     """E4M3's top exponent read as IEEE's inf/NaN, which gives a max of 240."""
     exponent = (code >> fmt.mantissa_bits) & ((1 << fmt.exponent_bits) - 1)
@@ -292,7 +326,10 @@ def backward_with(grad_format, transpose_grad_w=False):
 # ---------------------------------------------------------------- the table
 
 WRONG = [
-    ("9.1", "decode_fp8", decode_implicit_one_in_subnormals, r"subnormal: 0\.m .*no implicit leading 1"),
+    ("9.1", "decode_fp8", decode_implicit_one_in_subnormals,
+     r"subnormal, \(-1\)\^s · 0\.m .*no implicit leading 1: check your exponent-0 branch"),
+    ("9.1", "decode_fp8", decode_unsigned_zero,
+     r"decode\(0x80 .*says -0\.0: the sign is wrong: take the sign from bit 7"),
     ("9.1", "decode_fp8", decode_e4m3_as_ieee, r"exponent 1111 holds ordinary numbers up to 448"),
     ("9.1", "decode_fp8", decode_bias_off_by_one, r"\(-1\)\^s · 1\.m · 2\^\(e - 7\)"),
     ("9.1", "encode_fp8", encode_ties_away, r"on an exact tie to the code with an even"),
@@ -308,6 +345,10 @@ WRONG = [
     ("9.3", "quantize_blocks", amax_over_wrong_axes, r"wrong axes"),
     ("9.3", "quantize_blocks", signed_amax, r"largest \|x\|.*abs\(\)"),
     ("9.3", "quantize_blocks", zero_block_divides_by_zero, r"all-zero block has amax 0, give it scale 1"),
+    ("9.3", "quantize_blocks", quantize_tests_columns_only,
+     r"tensor in 128×128 blocks raised RuntimeError.*do not divide its rows: test both sides"),
+    ("9.3", "quantize_blocks", quantize_clamps_to_fmt_min,
+     r"quantize raised AttributeError: 'Format' object has no attribute 'min'.*so clamp to \(-fmt\.max, fmt\.max\)"),
     ("9.3", "MyDelayedScaling", DelayedWithoutClamp, r"clamp x / scale to ±fmt\.max"),
     ("9.3", "MyDelayedScaling", DelayedUsesCurrent, r"largest amax of the previous steps"),
     ("9.3", "MyDelayedScaling", DelayedInverted, r"not its inverse"),
@@ -316,6 +357,8 @@ WRONG = [
     ("9.4", "native_mm", native_emulates, r"torch\._scaled_mm was never called"),
     ("9.4", "fp8_mm", auto_always_native, r"K and N must be multiples of 16.*emulated path"),
     ("9.4", "fp8_mm", auto_checks_m_and_k, r"M may be anything.*N = 24 is not"),
+    ("9.4", "fp8_mm", auto_native_only_tensorwise, r"row-wise scales on this CPU chose 'emulated'.*check your test on "
+                                                   r"the scales"),
     ("9.5", "MyFloat8Linear", float8_layer(forward_in(None, None), backward_with("e5m2")),
      r"quantise x and the weight to E4M3"),
     ("9.5", "MyFloat8Linear", float8_layer(forward_in("e4m3", None), backward_with("e5m2")),

@@ -37,12 +37,14 @@ def answer(exercise: str, old: str = "", new: str = ""):
 WRONG = [
     # 11.1: the grid
     ("11.1", '"pp": grid.permute(0, 2, 1).reshape(-1, pp).tolist(),', '"pp": grid.reshape(-1, pp).tolist(),',
-     r"rank \d+'s pp group is \[.*\], expected \[.*\] \(PP ranks are tp apart"),
+     r"rank \d+'s pp group is \[.*\], expected \[.*\]: PP ranks are tp apart: take every tp-th rank"),
     ("11.1", '"tp": grid.reshape(-1, tp).tolist()}',
      '"tp": [list(range(i, world, world // tp)) for i in range(world // tp)]}',
-     r"rank \d+'s tp group is .* \(TP is the innermost axis: consecutive ranks\)"),
+     r"rank \d+'s tp group is .*: TP is the innermost axis: take consecutive ranks"),
     ("11.1", '"dp": grid.permute(1, 2, 0).reshape(-1, dp).tolist(),  # the axis last: one group per row',
      '"dp": grid.reshape(-1, dp).tolist(),', r"dp group .*DP ranks are pp·tp apart|dp groups .* repeat or miss"),
+    ("11.1", "    if world != dp * pp * tp:\n", "    if world != dp * pp:\n",
+     r"dp=2, pp=2, tp=2: grid_groups\(8, 2, 2, 2\) raised ValueError .*check the condition before your raise"),
     ("11.1", "    if world != dp * pp * tp:\n", "    if world < 0:\n",
      r"raised RuntimeError.*a world of 6 ranks is not 2 × 2 × 2 = 8: .*raise ValueError"),
     # 11.3: MFU (issue 27: "ratio 0.427" was a 2·N for 6·N slip, unnamed)

@@ -43,7 +43,7 @@ from nbclient.util import ensure_async
 
 from distlab.grading import DEFERRED_VARIABLE, outcome
 from distlab.grading.cells import cells_to_skip
-from distlab.grading.contract import MARKS, first_line
+from distlab.grading.contract import MARKS, CheckResult, first_line
 from distlab.grading.definitions import check_lines, quiz_expressions
 from distlab.grading.isolation import ExerciseGraders
 from distlab.grading.quiz import remark
@@ -237,8 +237,9 @@ def _read(path: Path, student: str, seed: int | None) -> _Run:
 # ---------------------------------------------------------------- 3. grade each exercise apart
 
 def _not_run(exercise, detail: str) -> dict:
-    return {"id": exercise.id, "title": exercise.title, "status": "not run", "points": 0,
-            "max_points": exercise.points, "detail": detail, "label": exercise.label}
+    """An exercise the grader could not score, with the same fields as every scored one (the report's readers and
+    exports take every entry alike)."""
+    return asdict(CheckResult(exercise.id, exercise.title, "not run", 0, exercise.points, detail, exercise.label))
 
 
 def _quiz_result(exercise, answer) -> dict:

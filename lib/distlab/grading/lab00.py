@@ -12,7 +12,7 @@ import random
 import torch
 import torch.distributed as dist
 
-from distlab.grading import quiz
+from distlab.grading import quiz, wiretap
 from distlab.grading.contract import CheckFailed
 from distlab.grading.harness import (
     WORLD_SIZES,
@@ -41,8 +41,9 @@ def _dtype_text(dtype: torch.dtype) -> str:
 # ---------------------------------------------------------------- 0.1 rank, world size, one all-reduce
 
 def _rank_sum_job(student_fn):
-    """The student's value, their op counts, and what each of their all-reduces produced: the tensor handed to
-    ``dist.all_reduce``, read after the function returns (the real collective runs; this only looks)."""
+    """The student's value, their op counts, what each of their all-reduces produced (the tensor handed to
+    ``dist.all_reduce``, read after the function returns: the real collective runs, this only looks) and its
+    element size (how gloo cuts the message, for :func:`_wire_agrees`)."""
     handed = []
     real = dist.all_reduce
 
@@ -55,8 +56,8 @@ def _rank_sum_job(student_fn):
         value = student_fn()
     finally:
         dist.all_reduce = real
-    produced = [_number(t.detach().clone()) for t in handed if isinstance(t, torch.Tensor)]
-    return value, ops_used(), produced
+    tensors = [t for t in handed if isinstance(t, torch.Tensor)]
+    return value, ops_used(), [_number(t.detach().clone()) for t in tensors], [t.element_size() for t in tensors]
 
 
 def check_rank_sum(student_fn) -> str:
@@ -66,8 +67,13 @@ def check_rank_sum(student_fn) -> str:
     for n in WORLD_SIZES:
         case_drawn("0.1", world=n)
         with rank_group(n, "your function") as ranks:
-            run = run_job(ranks, _rank_sum_job, student_fn)
-        for r, (value, _, _) in enumerate(run):  # what every rank says it is, before what it summed
+            try:
+                run, sent = wiretap.observed_job(ranks, _rank_sum_job, student_fn)
+            except wiretap.Unaccounted as error:
+                raise CheckFailed(f"on {n} ranks, the ranks' own record of their communication cannot be held "
+                                  f"against what the kernel saw: {error}. 0.1 is graded by the bytes the kernel "
+                                  "counted on gloo's connections") from None
+        for r, (value, _, _, _) in enumerate(run):  # what every rank says it is, before what it summed
             if not isinstance(value, (tuple, list)) or len(value) != 3:
                 raise CheckFailed(f"rank {r} of {n} returned {value!r}; return a tuple (rank, world_size, total)")
             rank, world, _ = value
@@ -76,11 +82,16 @@ def check_rank_sum(student_fn) -> str:
             if _number(world) != n:
                 raise CheckFailed(f"rank {r} of {n} returned world_size={_number(world)!r}; "
                                   "use dist.get_world_size()")
-        for r, (value, ops, produced) in enumerate(run):
+        for r, (value, ops, produced, _) in enumerate(run):
             calls = ops.get("all_reduce", 0)
             if calls != 1:
                 raise CheckFailed(f"rank {r} of {n} called dist.all_reduce {calls} times; compute the sum "
                                   "with exactly one all_reduce")
+            others = sorted(op for op in ops if op != "all_reduce")
+            if others:
+                raise CheckFailed(f"rank {r} of {n} also called {', '.join(others)}: compute the sum with one "
+                                  "all_reduce and no other communication (the grader counts the bytes the ranks "
+                                  "send each other)")
             total, want = _number(value[2]), n * (n - 1) // 2
             if produced and total != produced[0]:
                 raise CheckFailed(f"rank {r} of {n} returned total={total!r}, but its all_reduce produced "
@@ -88,7 +99,26 @@ def check_rank_sum(student_fn) -> str:
             if total != want:
                 raise CheckFailed(f"rank {r} of {n}: the sum of rank ids should be {want}, got {total!r}: "
                                   + _sum_mistake(total, n))
+        if sent is not None:
+            _wire_agrees(run, sent, n)
     return "rank, world size and one all_reduce correct on 2, 3 and 4 ranks"
+
+
+def _wire_agrees(run, sent: list[int], n: int) -> None:
+    """The ranks' own record (one all_reduce of M bytes each, in their logs) against what the kernel counted on
+    their sockets to each other (:mod:`distlab.grading.wiretap`): the record is the student's process's to
+    rewrite, the kernel's counters are not. They must agree, else the ranks' word for their one all_reduce is
+    all there is, and it scores nothing."""
+    messages = {_number(getattr(log.ops.get("all_reduce"), "payload_bytes", 0)) for log in run.comm}
+    message = next(iter(messages)) if len(messages) == 1 else None
+    every_size = (1, 2, 4, 8, 16)  # what the ranks' wrapper saw handed to dist.all_reduce, else any dtype's
+    sizes = tuple({size for *_, seen in run for size in seen if size in every_size}) or every_size
+    if isinstance(message, int) and wiretap.one_all_reduce(sent, message, sizes):
+        return
+    raise CheckFailed(f"on {n} ranks, the ranks' own record of their communication (one all_reduce of "
+                      f"{' or '.join(map(repr, sorted(messages, key=repr)))} bytes) disagrees with what the kernel "
+                      f"saw: their connections to each other carried {sent} bytes, not one all_reduce of that "
+                      "message. The grade counts what the kernel saw, not what a rank says it did")
 
 
 def _sum_mistake(total, n: int) -> str:

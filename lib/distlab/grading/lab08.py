@@ -98,6 +98,23 @@ def _route_job(route_fn, x, weight, k, bias, cotangent):
     return fields, differentiable, w.grad
 
 
+def _probs_mistake(probs, expected) -> str:
+    """Where wrong router probabilities come from: another field returned as probs, the logits unnormalised, or a
+    softmax over the tokens."""
+    if isinstance(probs, torch.Tensor) and probs.dtype != torch.float32:
+        return (f"probs came out {probs.dtype}: take the softmax in fp32, softmax(logits.float(), dim=-1) (bf16 "
+                f"rounds the probabilities of close experts together)")
+    if tuple(probs.shape) != tuple(expected.probs.shape):
+        return ("check what you return as probs, [T, E]: Routing's fields are (logits, probs, experts, gates), in "
+                "that order")
+    if is_close(probs, expected.logits, atol=1e-5, rtol=1e-5):
+        return ("these are the logits: take softmax(logits, dim=-1) for probs (Routing's fields are logits, probs, "
+                "experts, gates, in that order)")
+    if is_close(probs.float().sum(0), torch.ones(probs.shape[1]), atol=1e-4, rtol=1e-4):
+        return "each expert's column sums to 1, a softmax over the tokens: take it over the experts, dim=-1"
+    return "check the logits (x @ weight.t()) and the softmax over the experts (dim=-1), in fp32"
+
+
 def check_router(route_fn) -> str:
     """8.1: ``route(x, weight, k, bias=None)`` → ``Routing`` (probs, top-k experts, gates)."""
     rng = random.Random(_seed() + 1)
@@ -105,19 +122,29 @@ def check_router(route_fn) -> str:
     for i, (k, with_bias) in enumerate(cases):
         T, d, E = rng.randint(12, 40), rng.choice([8, 12, 16]), rng.choice([4, 6, 8, 12])
         g = _generator(_seed() + 10 + i)
-        x = torch.randn(T, d, generator=g)
-        w_ref = (torch.randn(E, d, generator=g) / math.sqrt(d)).requires_grad_(True)
+        dtype = torch.bfloat16 if i == len(cases) - 1 else torch.float32  # a bf16 model: the softmax stays fp32
+        x = torch.randn(T, d, generator=g).to(dtype)
+        w_ref = (torch.randn(E, d, generator=g) / math.sqrt(d)).to(dtype).requires_grad_(True)
         bias = torch.randn(E, generator=g) * 0.2 if with_bias else None
-        where = f"T={T} tokens, E={E} experts, k={k}" + (", with a selection bias" if with_bias else "")
-        case_drawn("8.1", k=k, bias=with_bias, experts=E)
+        where = (f"T={T} tokens, E={E} experts, k={k}" + (", with a selection bias" if with_bias else "")
+                 + (", bf16 x and weight" if dtype == torch.bfloat16 else ""))
+        case_drawn("8.1", k=k, bias=with_bias, experts=E, bf16=dtype == torch.bfloat16)
         expected = route(x, w_ref, k, bias)
         cotangent = torch.randn(T, k, generator=g)
-        fields, differentiable, w_grad = run_isolated(_route_job, route_fn, x, w_ref, k, bias, cotangent)
+        try:
+            fields, differentiable, w_grad = run_isolated(_route_job, route_fn, x, w_ref, k, bias, cotangent)
+        except Exception as error:
+            if "ValueError" not in (type(error).__name__, getattr(error, "exc_type", "")):
+                raise
+            raise CheckFailed(f"{where}: route(x, weight, k={k}) raised ValueError ({first_line(error)[:80]}), but "
+                              f"k={k} of {E} experts is valid: check the condition before your raise "
+                              f"(1 <= k <= weight.shape[0])") from None
         got = _as_routing(types.SimpleNamespace(**fields) if isinstance(fields, dict) else fields, where)
         if tuple(got.probs.shape) != (T, E) or not is_close(got.probs, expected.probs, atol=1e-6, rtol=1e-6):
             by = max_difference(got.probs, expected.probs)[0] if got.probs.shape == expected.probs.shape else "shape"
             raise CheckFailed(f"{where}: probs differ from softmax(x @ weight.T) over the experts (dim=-1) by "
-                              f"{by}; expected shape {(T, E)}, got {tuple(got.probs.shape)}")
+                              f"{by}; expected shape {(T, E)}, got {tuple(got.probs.shape)}: "
+                              f"{_probs_mistake(got.probs, expected)}")
         if tuple(got.experts.shape) != (T, k):
             raise CheckFailed(f"{where}: experts should have shape [T, k] = {(T, k)}, got {tuple(got.experts.shape)}")
         if not torch.equal(got.experts.long(), expected.experts):
@@ -138,8 +165,8 @@ def check_router(route_fn) -> str:
                 raise CheckFailed(f"{where}: with k=1 every gate came out 1.0: keep the raw probability (Switch). "
                                   f"Renormalising a single gate gives 1 and the router gets no gradient")
             if k > 1 and is_close(got.gates, raw, atol=1e-6, rtol=1e-6):
-                raise CheckFailed(f"{where}: gates are the raw probabilities: renormalise them over the k choices "
-                                  f"so they sum to 1 (Mixtral)")
+                raise CheckFailed(f"{where}: gates are the raw probabilities: divide them by their sum over the k "
+                                  f"choices so they sum to 1 (renormalised, as in Mixtral)")
             if with_bias:
                 biased = (expected.probs + bias).gather(-1, expected.experts)
                 if k > 1:
@@ -168,7 +195,7 @@ def check_router(route_fn) -> str:
     except ValueError as error:
         raise CheckFailed(f"route(x, weight, k={E}) with {E} experts (the weight's {E} rows) raised ValueError "
                           f"({first_line(error)[:80]}): k may be anything from 1 to the number of experts, "
-                          f"weight.shape[0], inclusive") from None
+                          f"weight.shape[0], inclusive: check the bounds of your test on k") from None
     for k in (E + 1, 0):
         try:
             route_fn(x, w, k)
@@ -216,6 +243,9 @@ def check_capacity(capacity_fn, assign_fn) -> str:
                 hint = ": round up (ceil), or the last tokens of a balanced batch are dropped"
             elif int(got) == math.ceil(cf * tokens / E):
                 hint = ": each token makes k assignments, multiply by k"
+            else:
+                hint = (": multiply capacity_factor × tokens × k, divide by num_experts, then round up (math.ceil): "
+                        "check each factor and which side of the division it is on")
             raise CheckFailed(f"expert_capacity(tokens={tokens}, num_experts={E}, k={k}, capacity_factor={cf}) = "
                               f"{got}, expected ⌈{cf}·{tokens}·{k}/{E}⌉ = {expected}{hint}")
     assign_cases = 0
@@ -316,7 +346,8 @@ def check_balancing_losses(balance_fn, z_loss_fn) -> str:
                 or not math.isclose(float(z.detach()), float(z_ref.detach()), rel_tol=1e-5)):
             ratio = _ratio(z, z_ref) if isinstance(z, torch.Tensor) and z.numel() == 1 else None
             hint = ("mean over tokens, not the sum" if ratio is not None and math.isclose(ratio, T, rel_tol=1e-4)
-                    else "the mean over tokens of logsumexp(logits, dim=-1) squared")
+                    else "take logsumexp(logits, dim=-1) over each token's experts, square it, then the mean over "
+                         "tokens: check the dim and the power")
             shown = f"{float(z.detach()):.6g}" if isinstance(z, torch.Tensor) and z.numel() == 1 else repr(z)
             raise CheckFailed(f"{where}: router_z_loss = {shown}, expected {float(z_ref.detach()):.6g}: {hint}")
         if z_in_grad is None:
@@ -660,7 +691,8 @@ _DSV3_DISPATCH_MB = all_to_all_bytes(4096, DEEPSEEK_V3.k, DEEPSEEK_V3.d_model, 6
 EDGES = {
     "8.1": [Edge("top-1", lambda c: c["k"] == 1), Edge("top-k, k > 1", lambda c: c["k"] > 1),
             Edge("a selection bias", lambda c: c["bias"]), Edge("no bias", lambda c: not c["bias"]),
-            Edge("k = the number of experts", lambda c: c["k"] == c["experts"])],
+            Edge("k = the number of experts", lambda c: c["k"] == c["experts"]),
+            Edge("bf16 x and weight (the softmax in fp32)", lambda c: c.get("bf16", False))],
     "8.2": [Edge("capacity rounded up", lambda c: c["cf"] * c["tokens"] * c["k"] % c["experts"] != 0),
             Edge("capacity exact", lambda c: c["cf"] * c["tokens"] * c["k"] % c["experts"] == 0),
             Edge("capacity factor 1.0", lambda c: c["cf"] == 1.0), Edge("k = 1", lambda c: c["k"] == 1)],
@@ -694,6 +726,10 @@ EQUIVALENT_MUTANTS = {
     '8.2 statements-swapped: `if capacity is None: return torch.ones_like(experts, dtype=torch.bool…` → '
     '`choice_major = experts.t().reshape(-1) if capacity is None: return to…`':
         "two statements that do not read each other's names, in the other order",
+    '8.3 call-removed: `logits.float()` → `logits`':
+        "the lab's router logits are fp32 (all tensors fp32, the notebook says), where .float() is the identity; the "
+        "exercise asks for the z-loss's formula and names no precision for it (unlike 8.1's softmax, whose fp32 a "
+        "bf16 case checks)",
     '8.3 arithmetic: `-1` → `(1)` #2':
         'the logits are 2-D [tokens, experts], so dim 1 is dim -1',
     '8.5 arguments-swapped: `expert_capacity(x.shape[0], num_experts, k, capacity_factor)` → '

@@ -39,7 +39,7 @@ from distlab.fp8.linear import Float8Linear
 from distlab.fp8.matmul import MULTIPLE, emulated_scaled_mm, scaled_mm_support
 from distlab.fp8.scaling import DelayedScaling, dequantize, expand_scale, quantize
 from distlab.fp8.training import final_loss, train_recipe
-from distlab.grading.contract import CheckFailed, first_line
+from distlab.grading.contract import CheckFailed, describe_error, first_line
 from distlab.grading.harness import Edge, case_drawn, lab_seed, run_isolated
 from distlab.grading.quiz import choice, number
 from distlab.grading.registry import Exercise
@@ -64,18 +64,24 @@ def _same(a: float, b: float) -> bool:
     return a == b and math.copysign(1.0, a) == math.copysign(1.0, b)
 
 
-def _decode_hint(code: int, fmt: Format, expected: float) -> str:
+def _decode_hint(code: int, fmt: Format, expected: float, got=None) -> str:
     exponent = (code >> fmt.mantissa_bits) & ((1 << fmt.exponent_bits) - 1)
     if math.isnan(expected):
-        return ("E4M3 has no infinities: only S.1111.111 is NaN" if not fmt.ieee_specials
-                else "E5M2 follows IEEE: exponent all ones with a non-zero mantissa is NaN")
+        return ("E4M3 has no infinities: only S.1111.111 is NaN: check your NaN test" if not fmt.ieee_specials
+                else "E5M2 follows IEEE: exponent all ones with a non-zero mantissa is NaN: check your NaN test")
     if math.isinf(expected):
-        return "exponent all ones with mantissa 0 is ±inf in E5M2"
+        return "exponent all ones with mantissa 0 is ±inf in E5M2: check your tests for inf and NaN"
+    if (isinstance(got, (int, float)) and not math.isnan(got) and abs(got) == abs(expected)
+            and math.copysign(1.0, got) != math.copysign(1.0, expected)):
+        return "the sign is wrong: take the sign from bit 7 (code & 0x80), for zero too (0x80 is -0.0)"
     if exponent == 0:
-        return f"exponent 0 is subnormal: 0.m × 2^(1-{fmt.bias}), no implicit leading 1"
+        return (f"exponent 0 is subnormal, (-1)^s · 0.m · 2^(1-{fmt.bias}) with no implicit leading 1: check your "
+                f"exponent-0 branch")
     if exponent == (1 << fmt.exponent_bits) - 1 and not fmt.ieee_specials:
-        return "in E4M3 (fn) exponent 1111 holds ordinary numbers up to 448; only S.1111.111 is NaN"
-    return f"a normal number is (-1)^s · 1.m · 2^(e - {fmt.bias})"
+        return ("in E4M3 (fn) exponent 1111 holds ordinary numbers up to 448; only S.1111.111 is NaN: check your "
+                "NaN test")
+    return (f"a normal number is (-1)^s · 1.m · 2^(e - {fmt.bias}): check the bias, the implicit leading 1 and "
+            f"the mantissa's scale, m / 2^M")
 
 
 def _value_cases(fmt: Format, rng: random.Random) -> list[tuple[float, str]]:
@@ -107,7 +113,7 @@ def check_codes(decode_fn, encode_fn) -> str:
             got = decode_fn(code, fmt)
             if not isinstance(got, (int, float)) or not _same(float(got), expected):
                 raise CheckFailed(f"{fmt.name.upper()} decode({bits(code, fmt)}) returned {got!r}; PyTorch's "
-                                  f"{fmt.dtype} says {expected!r}: {_decode_hint(code, fmt, expected)}")
+                                  f"{fmt.dtype} says {expected!r}: {_decode_hint(code, fmt, expected, got)}")
         for code, value in enumerate(torch_values):
             if math.isnan(value):
                 continue
@@ -141,9 +147,11 @@ def _code(got, fmt: Format) -> str:
 
 
 def _encode_hint(value: float, fmt: Format, got, expected: int) -> str:
+    if isinstance(got, int) and got == expected ^ 0x80:
+        return "the sign bit is wrong: set 0x80 for a negative value, -0.0 included (math.copysign(1.0, value) < 0)"
     if math.isinf(value) or abs(value) > fmt.max:
         if not fmt.ieee_specials:
-            return "E4M3 has no inf: values beyond ±448 saturate to ±448"
+            return "E4M3 has no inf: values beyond ±448 saturate to ±448, so return the code of ±448 (S.1111.110)"
         if math.isinf(decode(expected, fmt)):
             return ("E5M2 overflows to ±inf (exponent 11111, mantissa 00), as IEEE does, from max plus half the "
                     "step below max on (half_step = (max - the next code down) / 2)")
@@ -152,8 +160,9 @@ def _encode_hint(value: float, fmt: Format, got, expected: int) -> str:
         return "round to nearest, and on an exact tie to the code with an even (0) last mantissa bit"
     if abs(value) < fmt.min_normal:
         return (f"below 2^{1 - fmt.bias} values are subnormal: exponent field 0, "
-                f"mantissa = value / 2^{1 - fmt.bias - fmt.mantissa_bits}")
-    return "sign, biased exponent and rounded mantissa"
+                f"mantissa = value / 2^{1 - fmt.bias - fmt.mantissa_bits}: check your subnormal branch, and that "
+                f"the overflow test comes first only for values above max")
+    return "check the sign, the biased exponent and the rounded mantissa"
 
 
 # ---------------------------------------------------------------- 9.2
@@ -263,25 +272,40 @@ def check_scaling(quantize_fn, delayed_class) -> str:
     rng = random.Random(_seed() + 3)
     generator = torch.Generator().manual_seed(_seed() + 3)
     count = 0
-    for _ in range(3):
+    for i in range(3):
         rows, cols = 128 * rng.randint(1, 2), 128 * rng.randint(1, 3)
+        if i == 0 and rows == cols:
+            cols += 128  # a tensor that is not square: rows and columns cannot be confused
         x = _outlier_tensor(rows, cols, generator)
         x[:1, :128] = 0.0  # an all-zero tile: its scale must not be 0 or NaN
         for block, name in ((None, "per-tensor"), ((1, cols), "per-row"), ((1, 128), "1×128 tiles"),
                             ((128, 128), "128×128 blocks")):
             for fmt in (FORMATS["e4m3"], FORMATS["e5m2"]):
-                case_drawn("9.3", block=name, fmt=fmt.name, zero_tile=bool((x[:1, :128] == 0).all()))
-                _compare_quantized(quantize_fn(x, fmt, block), quantize(x, fmt, block), x, fmt,
-                                   f"{name} {fmt.name.upper()} of a {rows}×{cols} tensor", block=block)
+                case_drawn("9.3", block=name, fmt=fmt.name, zero_tile=bool((x[:1, :128] == 0).all()),
+                           square=rows == cols)
+                where = f"{name} {fmt.name.upper()} of a {rows}×{cols} tensor"
+                try:
+                    got = _quantized_by(quantize_fn, x, fmt, block)
+                except ValueError as error:
+                    br, bc = x.shape if block is None else block
+                    raise CheckFailed(f"{where}: raised ValueError ({first_line(error)[:80]}), but {br}×{bc} blocks "
+                                      f"tile it: check the condition before your raise (x.shape[0] % br, "
+                                      f"x.shape[1] % bc)") from None
+                _compare_quantized(got, quantize(x, fmt, block), x, fmt, where, block=block)
                 count += 1
-    with_bad_block = x[:, :cols - 1]
-    try:
-        quantize_fn(with_bad_block, FORMATS["e4m3"], (1, 128))
-    except ValueError:
-        pass
-    else:
-        raise CheckFailed(f"quantizing a {rows}×{cols - 1} tensor in 1×128 tiles should raise ValueError (the tiles "
-                          f"do not divide it), not quietly drop or pad columns")
+    for bad, block, side in ((x[:, :cols - 1], (1, 128), "columns"), (x[:rows - 1], (128, 128), "rows")):
+        error = None
+        try:
+            quantize_fn(bad, FORMATS["e4m3"], block)
+        except Exception as raised:  # noqa: BLE001  a ValueError is right, any other error the mistake named below
+            error = raised
+        if isinstance(error, ValueError):
+            continue
+        told = (f"raised {describe_error(error)}; the blocks do not divide its {side}: test both sides, "
+                f"x.shape[0] % br and x.shape[1] % bc, and raise ValueError first" if error is not None else
+                f"should raise ValueError (the blocks do not divide its {side}), not quietly drop or pad {side}")
+        raise CheckFailed(f"quantizing a {bad.shape[0]}×{bad.shape[1]} tensor in {block[0]}×{block[1]} blocks "
+                          f"{told}")
     history = rng.randint(3, 6)
     scaler, reference = delayed_class(FORMATS["e4m3"], history), DelayedScaling("e4m3", history)
     for step in range(12):
@@ -289,7 +313,7 @@ def check_scaling(quantize_fn, delayed_class) -> str:
         if step in (5, 9):
             x[3, 7] = 400.0  # a spike the history has not seen
         case_drawn("9.3", delayed="e4m3", spike=bool(x.abs().max() > 100))
-        got, want = scaler.quantize(x), reference.quantize(x)
+        got, want = _quantized_by(scaler.quantize, x), reference.quantize(x)
         _compare_quantized(got, want, x, FORMATS["e4m3"], f"delayed scaling (history={history}), step {step}",
                            delayed=True, first=step == 0)
     # E5M2 overflows to inf where E4M3's cast saturates: a spike beyond the delayed amax shows a missing clamp
@@ -298,19 +322,32 @@ def check_scaling(quantize_fn, delayed_class) -> str:
         x = torch.randn(32, 128, generator=generator)
         if step == 3:
             x[1, 5] = -1e4
-        _compare_quantized(scaler.quantize(x), reference.quantize(x), x, FORMATS["e5m2"],
+        _compare_quantized(_quantized_by(scaler.quantize, x), reference.quantize(x), x, FORMATS["e5m2"],
                            f"delayed scaling in E5M2 (history=2), step {step}", delayed=True, first=step == 0)
     # a tensor of zeros first (amax 0: scale 1, not 0), then values under 1 (a scale below 1 is no special case)
     scaler, reference = delayed_class(FORMATS["e4m3"], 2), DelayedScaling("e4m3", 2)
     for step in range(3):
         x = torch.zeros(16, 32) if step == 0 else torch.randn(16, 32, generator=generator) * 0.01
         case_drawn("9.3", delayed="e4m3", all_zero=step == 0, below_one=bool(0 < x.abs().max() < 1))
-        _compare_quantized(scaler.quantize(x), reference.quantize(x), x, FORMATS["e4m3"],
+        _compare_quantized(_quantized_by(scaler.quantize, x), reference.quantize(x), x, FORMATS["e4m3"],
                            f"delayed scaling (history=2), step {step}: "
                            + ("all zeros" if step == 0 else "values under 1"), delayed=True, first=step == 0)
     return (f"{count} tensors with outliers, per-tensor/per-row/1×128/128×128 in E4M3 and E5M2, and 19 steps of "
             f"delayed scaling with spikes, zeros and values under 1 in E4M3 and E5M2: scales and FP8 values equal "
             f"the reference")
+
+
+def _quantized_by(quantize_fn, *args):
+    """``quantize_fn(*args)``, with an attribute a :class:`~distlab.fp8.Format` does not have named for what it
+    has: a range is symmetric, so there is no ``fmt.min`` to clamp to."""
+    try:
+        return quantize_fn(*args)
+    except AttributeError as error:
+        if "'Format' object has no attribute" not in str(error):
+            raise
+        raise CheckFailed(f"quantize raised {describe_error(error)}: a Format has .max (its largest finite value; "
+                          f"its range is symmetric, -fmt.max to fmt.max), .min_normal and .min_subnormal, so clamp "
+                          f"to (-fmt.max, fmt.max) and scale by amax / fmt.max") from None
 
 
 def _scale_mistake(got: torch.Tensor, x: torch.Tensor, fmt: Format, block) -> str:
@@ -460,6 +497,17 @@ def check_fp8_matmul(emulated_fn, native_fn, auto_fn) -> str:
     if path != support.path:
         raise CheckFailed(f"auto, a 32×64 @ 64×48 matmul on this CPU chose {path!r}; expected {support.path!r} "
                           f"({support.reason})")
+    # row-wise scales through auto, two rows (M may be anything): native where this device has row-wise scaling
+    a, b, sa, sb = _matmul_case(rng, generator, 2, 32, 16, True)
+    case_drawn("9.4", auto=True, rowwise=True, two_rows=True)
+    out, path = auto_fn(a, b, sa, sb, torch.bfloat16)
+    want_path = "torch._scaled_mm" if support.tensorwise and support.rowwise else "emulated"
+    if path != want_path:
+        raise CheckFailed(f"auto, a 2×32 @ 32×16 matmul with row-wise scales on this CPU chose {path!r}; expected "
+                          f"{want_path!r}: check your test on the scales, torch._scaled_mm takes row-wise ones "
+                          f"wherever the device supports them (support.rowwise)")
+    _compare_matmul(out, emulated_scaled_mm(a, b, sa, sb, torch.bfloat16), a, b, sa, sb,
+                    "auto, a 2×32 @ 32×16 matmul with row-wise scales")
     return (f"{len(shapes) * 4} matmuls per path, tensor-wise and row-wise, E4M3×E4M3 and E4M3×E5M2: emulated = "
             f"dequantised product, native calls torch._scaled_mm; auto picks {support.path} here and emulates "
             f"shapes whose K or N is not a multiple of {MULTIPLE}")
@@ -645,13 +693,16 @@ EDGES = {
             Edge("growth_interval clean steps in a row", lambda c: c["clean_run"] >= c["interval"])],
     "9.3": [*(Edge(f"{name} blocks", lambda c, name=name: c.get("block") == name)
               for name in ("per-tensor", "per-row", "1×128 tiles", "128×128 blocks")),
-            Edge("an all-zero tile", lambda c: c.get("zero_tile")), Edge("E5M2", lambda c: c.get("fmt") == "e5m2"),
+            Edge("an all-zero tile", lambda c: c.get("zero_tile")),
+            Edge("a tensor that is not square", lambda c: c.get("square") is False),
+            Edge("E5M2", lambda c: c.get("fmt") == "e5m2"),
             Edge("a spike the history has not seen", lambda c: c.get("spike")),
             Edge("delayed scaling of an all-zero tensor", lambda c: c.get("all_zero")),
             Edge("delayed scaling of values under 1", lambda c: c.get("below_one"))],
     "9.4": [Edge("row-wise scales", lambda c: c.get("rowwise")), Edge("an E5M2 operand", lambda c: c.get("e5m2")),
             Edge("K off the multiple of 16", lambda c: c.get("k_off")),
-            Edge("N off the multiple of 16", lambda c: c.get("n_off"))],
+            Edge("N off the multiple of 16", lambda c: c.get("n_off")),
+            Edge("row-wise scales through auto, M = 2", lambda c: c.get("auto") and c.get("two_rows"))],
     "9.5": [Edge("a bias", lambda c: c["bias"]), Edge("no bias", lambda c: not c["bias"]),
             Edge("in ≠ out features", lambda c: not c["square"])],
 }
@@ -711,6 +762,37 @@ EQUIVALENT_MUTANTS = {
         "two statements that do not read each other's names, in the other order",
     '9.5 statements-swapped: `xq, x_scale, wq, w_scale = ctx.saved_tensors gq, g_scale = quantize(g…` → `gq, g_scale '
     '= quantize(grad_out, "e5m2") xq, x_scale, wq, w_scale = c…`':
+        "two statements that do not read each other's names, in the other order",
+    '9.2 statements-swapped: `for g in grads: g.mul_(1.0 / self.scale_value) self.found_inf = not a…` → '
+    '`self.found_inf = not all(bool(torch.isfinite(g).all()) for g in grads…`':
+        "the inf/NaN test reads the gradients before unscaling instead of after: multiplying by 1/scale keeps an "
+        "inf or NaN what it is, and a finite gradient finite unless it lies within 1/scale of fp32's max (3.4e38; "
+        "1/scale is at most 4 here: scales start at 2^4 or more and back off at most 3 times by at most 4), which "
+        "no gradient of a small model's loss comes near",
+    '9.3 call-removed: `x.float()` → `x`':
+        "the exercise's tensors are fp32 (the text names no other dtype), where .float() returns x itself",
+    '9.3 call-removed: `x.float()` → `x` #2':
+        "the exercise's tensors are fp32 (the text names no other dtype), where .float() returns x itself",
+    '9.4 call-removed: `a.contiguous()` → `a`':
+        "the operands handed in are row-major quantised tensors, for which .contiguous() returns a itself (and "
+        "torch._scaled_mm on CPU converts any layout to fp32 first)",
+    '9.4 compare: `scale_a.numel() > 1` → `scale_a.numel() >= 1`':
+        "a tensor-wise scale then takes the row-wise branch: it is passed as it is instead of reshaped to (), which "
+        "torch._scaled_mm on CPU (torch 2.13) reads as the same tensor-wise scale; the bf16 output the branch "
+        "selects applies on CUDA only (a.is_cuda), which this checker's CPU cases never are",
+    '9.4 off-by-one: `1` → `0`':
+        "scale_a.numel() > 0 is the same slip as >= 1: a tensor-wise scale passed as it is, which torch._scaled_mm "
+        "on CPU reads the same, and the bf16 output applies on CUDA only",
+    '9.4 compare: `scale_a.numel() == 1` → `scale_a.numel() != 1`':
+        "where torch._scaled_mm has row-wise scaling (support.rowwise, true on this CPU's torch 2.13 and on H100) "
+        "the `or` is decided before the scale test, so auto picks the same path; the test matters only on a "
+        "device without row-wise scaling, which the checker cannot make",
+    '9.4 off-by-one: `1` → `0` #2':
+        "where torch._scaled_mm has row-wise scaling (support.rowwise, true on this CPU's torch 2.13 and on H100) "
+        "the `or` is decided before the scale test, so auto picks the same path; the test matters only on a "
+        "device without row-wise scaling, which the checker cannot make",
+    '9.4 statements-swapped: `support = scaled_mm_support(a.device) fits = a.shape[1] % 16 == 0 and…` → '
+    '`fits = a.shape[1] % 16 == 0 and b.shape[1] % 16 == 0 support = scaled…`':
         "two statements that do not read each other's names, in the other order",
 }
 

@@ -21,7 +21,7 @@ import random
 
 from distlab.flops import PEAK_FLOPS, mfu
 from distlab.grading import quiz
-from distlab.grading.contract import CheckFailed, describe_error
+from distlab.grading.contract import CheckFailed, describe_error, first_line
 from distlab.grading.harness import (
     ATOL,
     LONG_JOB_TIMEOUT,
@@ -71,8 +71,13 @@ def check_grid_groups(grid_groups) -> str:
     for dp, pp, tp in shapes:
         case_drawn("11.1", dp=dp, pp=pp, tp=tp)
         grid = Grid(dp, pp, tp)
-        got = grid_groups(grid.world, dp, pp, tp)
         where = f"dp={dp}, pp={pp}, tp={tp}"
+        try:
+            got = grid_groups(grid.world, dp, pp, tp)
+        except ValueError as error:
+            raise CheckFailed(f"{where}: grid_groups({grid.world}, {dp}, {pp}, {tp}) raised ValueError "
+                              f"({first_line(error)[:80]}), but {grid.world} ranks are {dp} × {pp} × {tp}: check the "
+                              f"condition before your raise (raise only when world != dp·pp·tp)") from None
         if not isinstance(got, dict) or set(got) != {"dp", "pp", "tp"}:
             raise CheckFailed(f"{where}: return a dict with keys 'dp', 'pp', 'tp', got {type(got).__name__} "
                               f"{sorted(got) if isinstance(got, dict) else ''}")
@@ -85,10 +90,10 @@ def check_grid_groups(grid_groups) -> str:
                 theirs = next((g for g in mine if rank in g), None)
                 want = grid.group_of(rank, axis)
                 if theirs != want:
-                    inner = {"tp": "TP is the innermost axis: consecutive ranks",
-                             "pp": "PP ranks are tp apart (stride tp)",
-                             "dp": "DP ranks are pp·tp apart (stride pp·tp)"}[axis]
-                    raise CheckFailed(f"{where}: rank {rank}'s {axis} group is {theirs}, expected {want} ({inner})")
+                    inner = {"tp": "TP is the innermost axis: take consecutive ranks",
+                             "pp": "PP ranks are tp apart: take every tp-th rank (stride tp)",
+                             "dp": "DP ranks are pp·tp apart: take every (pp·tp)-th rank (stride pp·tp)"}[axis]
+                    raise CheckFailed(f"{where}: rank {rank}'s {axis} group is {theirs}, expected {want}: {inner}")
             raise CheckFailed(f"{where}: the {axis} groups {mine} repeat or miss ranks; expected {expected}")
     bad = (2, 2, 2)
     try:
@@ -145,6 +150,9 @@ def check_sync_gradients(sync_gradients) -> str:
         elif math.isclose(factor, grid.dp / grid.world, rel_tol=0.05):
             hint = (f": the update is {grid.world // grid.dp}x too small — divided by the world size "
                     f"({grid.world}) instead of the DP group's ({grid.dp})")
+        elif math.isclose(factor, grid.dp * grid.dp, rel_tol=0.05):
+            hint = (f": the update is {grid.dp * grid.dp}x too big — summed over the DP group and multiplied by dp "
+                    f"instead of divided (flat /= dp)")
         elif math.isclose(factor, 1 / grid.dp, rel_tol=0.05):
             hint = (f": the update is {grid.dp}x too small — divided by dp twice, or by more ranks than the DP "
                     f"group's {grid.dp}?")
@@ -263,9 +271,28 @@ def check_predicted_bytes(predicted_bytes) -> str:
                          (-m * activation, "with PP = 2 each rank sends one way only (the ends send nothing "
                                            "past the model's first or last stage)")]
             hint = ", or ".join(text for value, text in hints if value == diff)  # one block per stage: two match
-            raise CheckFailed(f"{where}: {axis.upper()} {got[axis]:,} bytes, expected {want[axis]:,.0f}"
-                              + (f" — missing or extra: {hint}" if hint else ""))
+            raise CheckFailed(f"{where}: {axis.upper()} {got[axis]:,} bytes, expected {want[axis]:,.0f}: "
+                              + (f"check this term, missing or extra: {hint}" if hint
+                                 else _bytes_advice(axis, want[axis], got[axis])))
     return f"{len(cases)} layouts: TP and PP bytes of the busiest rank, as distlab's comm log counts them"
+
+
+def _bytes_advice(axis: str, want: float, got: float) -> str:
+    """Where to look when a predicted axis matches no single missing or extra term: a size of 1 that must move
+    nothing, nothing counted, or the terms and their sizes (what the student's function adds up)."""
+    size = "tp" if axis == "tp" else "pp"
+    if want == 0:
+        return f"with {size} = 1 no rank sends on this axis: count its bytes only when {size} > 1"
+    if got == 0:
+        return f"with {size} > 1 this axis carries bytes every micro-batch: count them"
+    if axis == "tp":
+        return ("check each term and its size: per micro-batch four activation all-reduces per block of the "
+                "stage (n_layer // pp blocks), one for the output layer's f (and with PP = 1 one for the embedding), "
+                "and the loss's three of one fp32 value per token, all times m; an activation is "
+                "micro_batch × seq_len × d_model × 4 bytes")
+    return ("check each term and its size: per micro-batch the busiest rank sends one activation (micro_batch × "
+            "seq_len × d_model × 4 bytes) forward and one gradient back (with PP = 2 each rank sends one way "
+            "only), times m")
 
 
 # ---------------------------------------------------------------- quiz
@@ -355,3 +382,33 @@ EXERCISES = [
     Exercise("11.4", "the bytes each axis sends, predicted", 3, check_predicted_bytes),
     *QUIZ,
 ]
+
+# Mutants of the solutions (distlab notebooks mutants) that compute the same thing, and why.
+EQUIVALENT_MUTANTS = {
+    '11.1 arguments-swapped: `grid.permute(0, 2, 1)` → `grid.permute(2, 0, 1)`':
+        "the same PP groups listed in another order (rows by tp then dp): each group holds the same ranks, and any "
+        "fixed order works, since every rank builds its groups from the same list",
+    '11.1 arguments-swapped: `grid.permute(1, 2, 0)` → `grid.permute(2, 1, 0)`':
+        "the same DP groups listed in another order (rows by tp then pp): each group holds the same ranks, and any "
+        "fixed order works, since every rank builds its groups from the same list",
+    '11.2 off-by-one: `1` → `0`':
+        "the shortcut for dp = 1 only saves work: an all-reduce over a group of one rank and a division by 1 leave "
+        "the gradients as they are",
+    '11.2 statements-swapped: `dist.all_reduce(flat, group=dp_group) flat /= dp` → '
+    '`flat /= dp dist.all_reduce(flat, group=dp_group)`':
+        "dividing by dp before or after the sum gives the same mean (the all-reduce is linear)",
+    '11.2 statements-swapped: `flat /= dp offset = 0` → `offset = 0 flat /= dp`':
+        "two statements that do not read each other's names, in the other order",
+    '11.2 statements-swapped: `if dp == 1: return flat = torch.cat([p.grad.reshape(-1) for p in para…` → '
+    '`flat = torch.cat([p.grad.reshape(-1) for p in params]) if dp == 1: re…`':
+        "the flat copy is built before the dp = 1 shortcut instead of after: wasted work, the same gradients",
+    '11.4 statements-swapped: `activation = micro_batch * cfg.seq_len * cfg.d_model * 4 # fp32 [b, s…` → '
+    '`out = {"tp": 0, "pp": 0} # fp32 [b, s, h] activation = micro_batch * …`':
+        "two statements that do not read each other's names, in the other order",
+    '11.4 statements-swapped: `per_micro += 3 * micro_batch * cfg.seq_len * 4 # the loss: max, sum o…` → '
+    '`if pp == 1: per_micro += activation # the loss: max, sum of exponenti…`':
+        "two additions to the same sum in the other order",
+    "11.4 statements-swapped: `per_micro += activation # the output layer's f: an all-reduce in back…` → "
+    "`per_micro += 3 * micro_batch * cfg.seq_len * 4 # the output layer's f…`":
+        "two additions to the same sum in the other order",
+}

@@ -247,13 +247,14 @@ def check_next_batch(next_batch) -> str:
                                 f"epoch {reference.epoch} begins at position 0" if reference.epoch > 0
                                 and reference.position == reference.batch_size and len(x) < len(want_x) else "")
                         raise CheckFailed(f"{here}: x has shape {tuple(x.shape)}, expected {tuple(want_x.shape)} "
-                                          f"(batch / dp rows of seq_len tokens){drop}")
+                                          f"(batch / dp rows of seq_len tokens)"
+                                          f"{drop or ': ' + _shape_advice(x, want_x)}")
                     if not torch.equal(x.long(), want_x):
                         raise CheckFailed(f"{here}: other tokens than expected: "
                                           f"{_batch_mistake(x.long(), loaders, d, seq_len)}")
                     if not torch.equal(y.long(), want_y):
-                        raise CheckFailed(f"{here}: x is right but y is not: y is x shifted by one token, "
-                                          f"window[1:] (the next token of every position)")
+                        raise CheckFailed(f"{here}: x is right but y is not: take y = window[1:] of the same "
+                                          f"windows, x shifted by one token (the next token of every position)")
             # a restart: continue from the state saved halfway, as a relaunched job would
             replay = [ResumableTokenLoader(path, seq_len, batch, d, dp, seed=order_seed) for d in range(dp)]
             for d in range(dp):
@@ -316,7 +317,7 @@ def check_resume(resume) -> str:
         start, after, _, _ = run_isolated(_resume_job, resume, str(tmp / "none"), cfg, tmp / "tokens.bin", seed)
         if start != 0:
             raise CheckFailed(f"with no checkpoint in the directory, resume returned {start!r}: a fresh job starts at "
-                              f"step 0")
+                              f"step 0, so return 0 when latest_checkpoint finds none (it returns None)")
         if any(not torch.equal(before[k], v) for k, v in after.items()):
             raise CheckFailed("with no checkpoint in the directory, resume changed the weights: leave a fresh state")
         live = _train_state(cfg, tmp / "tokens.bin", seed)
@@ -403,6 +404,16 @@ def _synthetic_run(rng: random.Random, pp: int, dp: int, steps: int):
     return records, trace_format.build(spans, world_size=ranks)
 
 
+def _shape_advice(x, want_x) -> str:
+    """Where a wrong batch shape comes from: its rows (the DP rank's share of the batch) or its columns (the
+    window's slice)."""
+    if x.dim() == 2 and x.shape[0] != want_x.shape[0]:
+        return ("each DP rank takes batch_size // dp_size windows a step: check its rows, order[first:first + rows] "
+                "with first = position + dp_rank × rows")
+    return ("a window is seq_len + 1 tokens, tokens[k × seq_len : k × seq_len + seq_len + 1], x its first seq_len and "
+            "y its last: check the slice's bounds and what you cut off")
+
+
 def _report_mistake(key: str, got: dict, want: dict, records, trace) -> str:
     """Name the slip that gives the student's figure: each candidate is computed from the same records."""
     steps = sorted(records[0]["step_times"])
@@ -427,8 +438,8 @@ def _report_mistake(key: str, got: dict, want: dict, records, trace) -> str:
         if isinstance(got[key], (int, float)) and math.isclose(got[key], mean_idle, rel_tol=1e-6):
             return "the mean idle over ranks: the bubble is the busiest rank's idle share (trace_bubble's fraction)"
         return "the median over steps (after the first) of trace_bubble(trace, step=k).fraction"
-    return ("the most any rank sent in a step (max over ranks), median over steps after the first — not a sum "
-            "over ranks or rank 0's")
+    return ("not a sum over ranks or rank 0's: take the most any rank sent in step k (the max over the records of "
+            "bytes[k]), then the median over the steps after the first")
 
 
 _UNITS = {"step_time": (1e3, "ms", ".2f"), "tokens_per_second": (1, "tokens/s", ",.0f"), "mfu": (100, "%", ".3f"),
@@ -454,7 +465,13 @@ def check_report_numbers(report_numbers) -> str:
         # a small GPT's FLOPs per token against CPU-sized peaks: the MFU is a fraction, as a run's is
         args = (rng.randrange(1, 50) * 1e4, rng.choice([256, 512, 1024]), rng.choice([2e10, 8e10]))
         want = derive_report(records, trace, *args)
-        got = report_numbers(records, trace, *args)
+        try:
+            got = report_numbers(records, trace, *args)
+        except KeyError as error:
+            steps = sorted(records[0]["step_times"])
+            raise CheckFailed(f"PP {pp} × DP {dp}: report_numbers raised KeyError {error}: a record's step_times "
+                              f"and bytes are keyed by the step numbers it lists ({steps[0]} to {steps[-1]}), so "
+                              f"read r['step_times'][k] and r['bytes'][k][axis] for those k only") from None
         if not isinstance(got, dict) or not set(want) <= set(got):
             raise CheckFailed(f"return a dict with {sorted(want)}, got {got!r}")
         where = f"PP {pp} × DP {dp}, {len(records[0]['step_times'])} steps"
@@ -524,6 +541,12 @@ EQUIVALENT_MUTANTS = {
         "every rank's record lists the same steps: the last record's step numbers are the first's",
     '13.4 off-by-one: `0` → `1`':
         "every rank's record lists the same steps: the second record's step numbers are the first's",
+    '13.1 off-by-one: `2` → `1`':
+        "the error quotes the reasons of the nearest runnable miss instead of the nearest two: the text asks for the "
+        "planner's reasons for the nearest layouts without a count, and the nearest comes first either way",
+    '13.1 off-by-one: `2` → `3`':
+        "the error quotes the reasons of the nearest three runnable misses instead of two: the text asks for the "
+        "planner's reasons for the nearest layouts without a count, and the nearest come first either way",
 }
 
 EXERCISES = [

@@ -41,6 +41,7 @@ is what Llama 3 did, and at the peak of a step it holds and sends exactly what Z
 
 from __future__ import annotations
 
+import bisect
 import functools
 import itertools
 import math
@@ -54,6 +55,7 @@ from distlab.model import GPTConfig, count_params, training_flops_per_token
 from distlab.parallel3d.calibration import Calibration
 from distlab.parallel3d.grid import Grid
 from distlab.pipeline_parallel import (
+    COMPUTE,
     bubble_fraction,
     even_partition,
     interleaved_bubble_fraction,
@@ -496,10 +498,11 @@ def calibrated_times(model: ModelShape, layout: Layout, calibration: Calibration
     share of the schedule, as :func:`~distlab.pipeline_parallel.trace_bubble` reads it off a run.
 
     The ranks share the machine: the calibration measured each shape while every rank computed, and each rank alone
-    (:attr:`~distlab.parallel3d.calibration.Calibration.cores`). A pipeline keeps its light stages idle part of the
-    time, and then the busy ones run faster. So the schedule is replayed at the speed of a rank alone, the demand
-    (the sum over ranks of their busy share) is compared with the cores, and the compute is slowed by demand / cores
-    where the demand exceeds them: every rank busy gives back the speed measured while all computed.
+    (:attr:`~distlab.parallel3d.calibration.Calibration.cores`). A pipeline keeps its stages idle part of the time,
+    and then the busy ones run faster, but only while the others wait: each compute of the schedule runs at a rank's
+    speed alone, slowed by the ranks computing during it over the cores (:func:`_replay_sharing_cores`). The step's
+    mean demand would not do: the work happens mostly while the others work too, so priced by the mean a pipeline's
+    compute comes out faster than it runs.
     """
     t, p, v, m = layout.tp, layout.pp, layout.v, layout.m
     cost = calibration.compute_at(t, layout.micro_batch * model.seq_len)
@@ -521,23 +524,20 @@ def calibrated_times(model: ModelShape, layout: Layout, calibration: Calibration
         work.append((f, b))
         comm.append(collectives)
     alone = calibration.cores / calibration.world_size  # a rank's time alone over its time among busy ranks
-    schedule = make_schedule("interleaved" if v > 1 else "1f1b", p, m, v) if p > 1 else None
-    handoff = calibration.link("send", 2).seconds(activation) if p > 1 else 0.0
-
-    def replay(slowdown: float, message: float) -> tuple[float, list[float]]:
-        fwd, bwd = [f * alone * slowdown for f, _ in work], [b * alone * slowdown for _, b in work]
-        if schedule is None:
-            return m * (fwd[0] + bwd[0]), [m * (fwd[0] + bwd[0])]
-        sim = simulate(schedule, m, v, forward_cost=fwd, backward_cost=bwd, message_cost=message)
-        return sim.makespan, sim.busy
-
-    makespan, busy = replay(1.0, handoff)
-    demand = sum(busy) / makespan * calibration.world_size / len(busy)  # ranks computing at once, on average
-    slowdown = max(1.0, demand / calibration.cores)
-    makespan, busy = replay(slowdown, handoff)
-    without_messages, _ = replay(slowdown, 0.0)
+    if p == 1:  # every rank computes all the time: the speed measured while all computed
+        makespan = without_messages = m * sum(work[0]) * alone * max(1.0, calibration.world_size / calibration.cores)
+        busy = [makespan]
+    else:
+        schedule = make_schedule("interleaved" if v > 1 else "1f1b", p, m, v)
+        handoff = calibration.link("send", 2).seconds(activation)
+        share = dict(schedule=schedule, m=m, v=v, work=[(f * alone, b * alone) for f, b in work],
+                     ranks_per_stage=calibration.world_size // p, cores=calibration.cores)
+        sim = _replay_sharing_cores(**share, message=handoff)
+        makespan, busy = sim.makespan, sim.busy
+        without_messages = _replay_sharing_cores(**share, message=0.0).makespan
     busiest = max(range(len(busy)), key=busy.__getitem__)
-    tp_seconds = m * comm[busiest] * alone * slowdown
+    f, b = work[busiest]
+    tp_seconds = busy[busiest] * comm[busiest] / (f + b) if f + b > 0 else 0.0  # their share of the rank's work
     # after the schedule, on the fullest rank: the DP messages, the clipping's and the loss's all-reduces, the update
     held = _params_per_rank(model, layout)
     grad_bytes = 4  # the worker reduces gradients in fp32
@@ -559,6 +559,57 @@ def calibrated_times(model: ModelShape, layout: Layout, calibration: Calibration
     seconds = {"compute": busy_max - tp_seconds, "tp": tp_seconds, "cp": 0.0, "pp": makespan - without_messages,
                "bubble": without_messages - busy_max, "dp exposed": dp, "step overhead": small + optimizer}
     return seconds, (makespan - busy_max) / makespan if p > 1 else 0.0
+
+
+def _replay_sharing_cores(schedule, m: int, v: int, work: list[tuple[float, float]], ranks_per_stage: int,
+                          cores: float, message: float, tolerance: float = 1e-3, rounds: int = 60):
+    """The pipeline ``schedule`` replayed (:func:`~distlab.pipeline_parallel.simulate`) with each compute slowed by
+    the ranks computing while it runs: ``work`` is each pipeline rank's (forward, backward) seconds per micro-batch
+    at a rank's speed alone, and a compute during which ``n`` ranks compute on average takes ``max(1, n / cores)``
+    times that. Each pipeline rank stands for ``ranks_per_stage`` ranks (its TP peers and its DP replicas run the
+    same schedule at the same time). The slowdowns depend on the timeline they shape, so the replay is repeated,
+    each time priced by the last one's overlaps (half-way, to settle rather than swing), until no compute's slowdown
+    moves by ``tolerance``. Returns the last :class:`~distlab.pipeline_parallel.Simulation`."""
+    cost = [{"F": f / v, "B": b / v, "I": b / (2 * v), "W": b / (2 * v)} for f, b in work]
+    computes = [[a for a in ops if a.kind in COMPUTE] for ops in schedule]
+    base = {tuple(a): cost[r][a.kind] for r, actions in enumerate(computes) for a in actions}
+    slowdown = dict.fromkeys(base, 1.0)
+    for _ in range(rounds):
+        sim = simulate(schedule, m, v, durations={key: base[key] * slowdown[key] for key in base},
+                       message_cost=message)
+        computing = _ranks_computing(sim.spans, ranks_per_stage)
+        moved = 0.0
+        for r, actions in enumerate(computes):  # a rank's spans come in the order of its computes
+            for a, span in zip(actions, [s for s in sim.spans if s.rank == r]):
+                target = max(1.0, computing(span.start, span.end) / cores)
+                moved = max(moved, abs(target - slowdown[tuple(a)]))
+                slowdown[tuple(a)] = (slowdown[tuple(a)] + target) / 2
+        if moved < tolerance:
+            break
+    return sim
+
+
+def _ranks_computing(spans, ranks_per_stage: int):
+    """A function of ``(start, end)``: how many ranks compute, on average over that interval, in a timeline of
+    compute ``spans`` where each span stands for ``ranks_per_stage`` ranks."""
+    events = sorted([(s.start, 1) for s in spans] + [(s.end, -1) for s in spans])
+    times, area, level = [events[0][0]], [0.0], 0  # area: rank-seconds computed up to each event
+    for t, step in events:
+        area.append(area[-1] + level * (t - times[-1]))
+        times.append(t)
+        level += step
+
+    def integral(t: float) -> float:
+        i = bisect.bisect_right(times, t) - 1
+        if i >= len(times) - 1:
+            return area[-1]
+        width = times[i + 1] - times[i]
+        return area[i] + (area[i + 1] - area[i]) * ((t - times[i]) / width if width > 0 else 0.0)
+
+    def computing(start: float, end: float) -> float:
+        return ranks_per_stage * (integral(end) - integral(start)) / (end - start) if end > start else ranks_per_stage
+
+    return computing
 
 
 def _dp_exposed(layout: Layout, dp_bytes: float, dp_calls: float, compute: float, on_link, overlap_cost: float,

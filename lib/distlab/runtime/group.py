@@ -27,7 +27,7 @@ from distlab.runtime import diagnose, output, payload, progress, reaper
 from distlab.runtime import rank as rank_module
 from distlab.runtime.comm import CommLog
 from distlab.runtime.errors import LaunchError, LaunchInterrupted, ReturnValueError
-from distlab.runtime.interrupts import InterruptGuard, close_quietly
+from distlab.runtime.interrupts import InterruptGuard, close_quietly, interrupts_deferred
 from distlab.runtime.timeline import Span
 
 SLOW_RANK_PATIENCE = 60.0  # seconds a rank may wait for a peer that is still computing (at least 6x the timeout)
@@ -197,12 +197,12 @@ class RankGroup:
             # Not daemonic: a rank may start processes of its own (DataLoader workers, a Pool).
             proc = ctx.Process(target=rank_module.main, args=(spec, child_end, self.status, self.board),
                                name=f"distlab-rank{r}", daemon=False)
-            with _main_module_hidden():
+            with interrupts_deferred(), _main_module_hidden():  # a rank forked is a rank recorded, and reaped
                 proc.start()
+                self.conns.append(parent_end)
+                self.procs.append(proc)
+                self.lifeline.send(proc.pid)  # the rank leads a process group of that id
             child_end.close()
-            self.conns.append(parent_end)
-            self.procs.append(proc)
-            self.lifeline.send(proc.pid)  # the rank leads a process group of that id
 
     @property
     def alive(self) -> bool:

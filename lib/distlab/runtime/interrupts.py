@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import signal
 import threading
+from contextlib import contextmanager
 
 
 class InterruptGuard:
@@ -44,6 +45,30 @@ class InterruptGuard:
         if self.previous is not None:
             signal.signal(signal.SIGINT, self.previous)
             self.previous = None
+
+
+@contextmanager
+def interrupts_deferred():
+    """Hold an interrupt until the block is done, then deliver it (main thread only; elsewhere it does nothing).
+
+    For steps that must not be cut in half: a rank started but not yet recorded would be a process no one ends
+    (the forkserver has forked it, and the launcher never learned its pid).
+    """
+    if threading.current_thread() is not threading.main_thread():
+        yield
+        return
+    previous = signal.getsignal(signal.SIGINT)
+    if not callable(previous):  # SIG_IGN / SIG_DFL keep their meaning
+        yield
+        return
+    pressed = []
+    signal.signal(signal.SIGINT, lambda signum, frame: pressed.append((signum, frame)))
+    try:
+        yield
+    finally:
+        signal.signal(signal.SIGINT, previous)
+    if pressed:
+        previous(*pressed[0])
 
 
 def close_quietly(group, guard: InterruptGuard) -> None:

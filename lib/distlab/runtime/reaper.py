@@ -6,7 +6,8 @@ reaper is a separate process that does nothing but wait: the launcher sends it e
 rank's process-group id over a pipe and keeps the write end. A ``None`` means the
 launcher closed the group itself; end-of-file without it means the launcher is gone
 (killed, crashed), and the reaper kills every rank's process group (the rank and
-everything it started) before exiting.
+everything it started) before exiting. A rank caught in the instant after its fork, before
+it leads a group of its own, is killed by its pid.
 """
 
 from __future__ import annotations
@@ -32,5 +33,23 @@ def main(lifeline) -> None:
     for pgid in groups:
         try:
             os.killpg(pgid, signal.SIGKILL)
-        except (ProcessLookupError, PermissionError):
+        except ProcessLookupError:  # no such group: gone, or a rank forked but not yet its own group's leader
+            if _is_sibling(pgid):
+                try:
+                    os.kill(pgid, signal.SIGKILL)
+                except (ProcessLookupError, PermissionError):
+                    pass
+        except PermissionError:
             pass
+
+
+def _is_sibling(pid: int) -> bool:
+    """Whether ``pid`` is a child of this reaper's own parent (the forkserver that forked the ranks and this
+    reaper), so a rank's pid that a stranger has since been given is never killed. Without ``/proc``: no."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            stat = handle.read()
+    except OSError:
+        return False
+    fields = stat[stat.rindex(b")") + 2:].split()
+    return int(fields[1]) == os.getppid()  # after the state: the parent's pid
