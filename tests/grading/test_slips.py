@@ -14,6 +14,7 @@ import distlab
 from distlab.grading import check
 from distlab.grading.contract import SLIPS, describe_error, is_not_attempted, slip_of
 from distlab.runtime.launch import RankCrashed, RankFailed
+from distlab.zero import FlatLayout
 
 cloudpickle.register_pickle_by_value(sys.modules[__name__])
 pytestmark = [pytest.mark.timeout(120)]
@@ -221,6 +222,7 @@ ALSO = [
     ("index-past-the-end", lambda: [0].__setitem__(2, 1)),
     ("argument-of-another-kind", lambda: torch.zeros(nn.Linear(2, 2).size())),
     ("argument-of-another-kind", lambda: len(3)),
+    ("argument-of-another-kind", lambda: FlatLayout(4, [nn.Parameter(torch.ones(2))])),  # its arguments swapped
     ("argument-of-another-kind", lambda: [1, 2][torch.ones(2, dtype=torch.long)]),
     ("torch-arguments-order", lambda: torch.where(torch.zeros(2), torch.ones(2), torch.ones(2))),
     ("unpacked-count", lambda: [a for a, b in [(1, 2, 3)]]),

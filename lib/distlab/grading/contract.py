@@ -224,7 +224,7 @@ SLIPS = [
          r"'(int|float)' object is not subscriptable|object of type '(int|float)' has no len\(\)|"
          r"only integer tensors of a single element can be converted to an index|"
          r"for [-+*/]: 'Tensor' and 'torch\.dtype'|"
-         r"KeyError: (tensor\(|Parameter containing)",
+         r"(KeyError: |=\[)(tensor\(|Parameter containing)",
          "a value of another kind where the call expects something else (a number for a tensor, a list for a "
          "module, a tensor for a name): check the order of the call's arguments against its signature"),
     Slip("index-past-the-end", r"index -?\d+ is out of bounds for dimension|list (assignment )?index out of range",
