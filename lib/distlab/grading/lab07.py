@@ -611,19 +611,22 @@ def check_ring_backward(function_class) -> str:
                     raise CheckFailed(f"{case}: rank {rank}'s backward returned with {result[index]['unwaited']} of "
                                       f"its {result[index]['posted']} sends and receives never waited for: wait for "
                                       f"each pass before reading what it received (the last accumulator's too)")
-                backward = ring_bytes(case.batch, case.heads, case.seq_len, case.head_dim, case.world_size,
-                                      backward=True) - ring_bytes(case.batch, case.heads, case.seq_len, case.head_dim,
-                                                                  case.world_size)
-                if result[index]["sent"] != backward:
-                    block = backward // (2 * case.world_size - 1)
-                    raise CheckFailed(f"{case}: rank {rank}'s backward sent {result[index]['sent']:,} bytes, expected "
-                                      f"{backward:,} = N-1 K/V passes and N dK/dV passes of {block:,} bytes: pass "
-                                      f"K/V on only while a block is still to come, and each accumulator once a step")
             for name, expected in (("dq", ref[0].grad), ("dk", ref[1].grad), ("dv", ref[2].grad)):
                 _compare_shards(run, index, case, name, expected, GRAD_ATOL,
                                 f"{name} is None: backward must return (dq, dk, dv, None, None), one gradient per "
                                 f"input of forward",
                                 lambda got, n=name, e=expected: _gradient_hint(run, index, case, n, got, e))
+            # after the values: a wrong gradient's hint says what the accumulators hold, which says more than a
+            # byte count; right values sent with passes too many or too few are told by the count
+            backward = ring_bytes(case.batch, case.heads, case.seq_len, case.head_dim, case.world_size,
+                                  backward=True) - ring_bytes(case.batch, case.heads, case.seq_len, case.head_dim,
+                                                              case.world_size)
+            for rank, result in enumerate(run):
+                if result[index]["sent"] != backward:
+                    block = backward // (2 * case.world_size - 1)
+                    raise CheckFailed(f"{case}: rank {rank}'s backward sent {result[index]['sent']:,} bytes, expected "
+                                      f"{backward:,} = N-1 K/V passes and N dK/dV passes of {block:,} bytes: pass "
+                                      f"K/V on only while a block is still to come, and each accumulator once a step")
             total += 1
     return f"{total} cases on N=2 and N=4, causal and not, three layouts: output and dQ, dK, dV equal SDPA's"
 
