@@ -8,6 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
+import scheduling
+
 from processes import rank_processes, shared_ranks_end_here
 
 REPO = Path(__file__).resolve().parents[1]
@@ -81,31 +83,9 @@ LONGEST_FIRST = ("test_notebooks.py", "test_data_ray.py", "test_instructor_guide
                  "test_launcher_faults.py", "test_fresh_machine.py", "test_browser.py", "test_launcher.py",
                  "test_grading_class.py", "test_gpu_check.py", "test_ddp.py", "test_payload.py")
 
-# Tests whose parameters may each run on whichever worker is free, beside the rest of their module: shares of a long
-# test (the generated labs are graded in two shares, the reference seeds lab by lab).
-RUN_APART = ("tests/test_notebooks.py::test_generated_labs_grade_zero_and_run_to_the_end",
-             "tests/grading/test_reference_seeds.py::"
-             "test_each_reference_passes_under_another_seed_and_its_cases_cover_its_edges")
-
-
-def scope_of(nodeid: str) -> str:
-    """The unit ``make test`` hands a worker a test in: its module, or the test itself when it is in RUN_APART."""
-    return nodeid if nodeid.split("[", 1)[0] in RUN_APART else nodeid.split("::", 1)[0]
-
-
 def pytest_xdist_make_scheduler(config, log):
-    """Under ``make test`` (``-n …``) a test module runs whole on one worker, so its module-scoped fixtures (warm
-    ranks, a Ray cluster, a graded class) start once, as in a serial run. Our own scheduler, not ``--dist loadgroup``:
-    pytest 9.2 reads a test's id from a field pytest-xdist 3.8's ``xdist_group`` does not rewrite, so the groups
-    silently fell apart and each worker set up the same module fixtures again (the forgery suite graded its 24
-    notebooks twice, 50 s each)."""
-    from xdist.scheduler import LoadScopeScheduling  # noqa: PLC0415  only a run with workers has a scheduler
-
-    class ModuleScheduling(LoadScopeScheduling):
-        def _split_scope(self, nodeid: str) -> str:
-            return scope_of(nodeid)
-
-    return ModuleScheduling(config, log)
+    """Under ``make test`` (``-n …``) each module runs whole on one worker (:mod:`scheduling`)."""
+    return scheduling.make_scheduler(config, log)
 
 
 @pytest.hookimpl(tryfirst=True)
