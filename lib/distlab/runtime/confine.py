@@ -80,19 +80,27 @@ def seal_memory(sealed: bool = True) -> bool:
     return _libc().prctl(_PR_SET_DUMPABLE, 0 if sealed else 1, 0, 0, 0) == 0
 
 
+def process_status(pid: int | str) -> tuple[str, int] | None:
+    """The state letter (``"Z"``: a zombie) and the parent's pid of process ``pid``, from ``/proc/PID/stat``; None
+    when it cannot be read (the process is gone, or there is no ``/proc``)."""
+    try:
+        with open(f"/proc/{pid}/stat", "rb") as handle:
+            stat = handle.read()
+    except OSError:
+        return None
+    # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after its last ')'
+    state, ppid = stat[stat.rindex(b")") + 2:].split()[:2]
+    return state.decode(), int(ppid)
+
+
 def _children_table() -> dict[int, list[int]]:
     table: dict[int, list[int]] = {}
     for entry in os.scandir("/proc"):
         if not entry.name.isdigit():
             continue
-        try:
-            with open(f"/proc/{entry.name}/stat", "rb") as handle:
-                stat = handle.read()
-        except OSError:
-            continue
-        # "pid (comm) state ppid ...": comm may hold spaces and parentheses, so split after its last ')'
-        ppid = int(stat[stat.rindex(b")") + 2:].split()[1])
-        table.setdefault(ppid, []).append(int(entry.name))
+        status = process_status(entry.name)
+        if status is not None:
+            table.setdefault(status[1], []).append(int(entry.name))
     return table
 
 

@@ -338,12 +338,8 @@ def _running(pid: int) -> bool:
         return False
     except PermissionError:
         return True
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            stat = handle.read()
-        return stat[stat.rindex(b")") + 2:][:1] != b"Z"
-    except OSError:
-        return True  # no /proc: signal 0 is all there is
+    status = confine.process_status(pid)
+    return status is None or status[0] != "Z"  # no /proc: signal 0 is all there is
 
 
 def _revive_forkserver(context, pid: int | None) -> int | None:

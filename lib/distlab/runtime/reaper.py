@@ -15,6 +15,8 @@ from __future__ import annotations
 import os
 import signal
 
+from distlab.runtime import confine
+
 
 def main(lifeline) -> None:
     # A notebook interrupt, a closed terminal or a polite kill is the launcher's to handle;
@@ -46,10 +48,5 @@ def main(lifeline) -> None:
 def _is_sibling(pid: int) -> bool:
     """Whether ``pid`` is a child of this reaper's own parent (the forkserver that forked the ranks and this
     reaper), so a rank's pid that a stranger has since been given is never killed. Without ``/proc``: no."""
-    try:
-        with open(f"/proc/{pid}/stat", "rb") as handle:
-            stat = handle.read()
-    except OSError:
-        return False
-    fields = stat[stat.rindex(b")") + 2:].split()
-    return int(fields[1]) == os.getppid()  # after the state: the parent's pid
+    status = confine.process_status(pid)
+    return status is not None and status[1] == os.getppid()
