@@ -461,6 +461,10 @@ def test_kill_9_of_the_launcher_ends_ranks_even_while_they_hold_the_gil(tmp_path
     proc.wait(timeout=60)
     assert not _survivors(tmp_path), "ranks outlived their launcher"
     assert not _survivors(tmp_path, "child"), "a rank's child outlived the launcher"
+    temp, deadline = _SCRIPT_TEMPS[-1], time.monotonic() + 60  # the reaper removes the group's output folder last
+    while (left := [f for f in os.listdir(temp) if f.startswith("distlab-")]) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not left, f"the ranks' output folder outlived their launcher: {left}"
 
 
 def test_a_script_that_leaves_warm_ranks_open_still_exits_and_ends_them(tmp_path, scripts):

@@ -183,7 +183,8 @@ class RankGroup:
 
     def _start(self, ctx, threads: int) -> None:
         lifeline_end, self.lifeline = ctx.Pipe(duplex=False)
-        self.reaper = ctx.Process(target=reaper.main, args=(lifeline_end,), name="distlab-reaper", daemon=True)
+        self.reaper = ctx.Process(target=reaper.main, args=(lifeline_end, self.workdir), name="distlab-reaper",
+                                  daemon=True)
         with _main_module_hidden():
             self.reaper.start()
         lifeline_end.close()

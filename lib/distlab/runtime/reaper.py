@@ -7,18 +7,21 @@ rank's process-group id over a pipe and keeps the write end. A ``None`` means th
 launcher closed the group itself; end-of-file without it means the launcher is gone
 (killed, crashed), and the reaper kills every rank's process group (the rank and
 everything it started) before exiting. A rank caught in the instant after its fork, before
-it leads a group of its own, is killed by its pid.
+it leads a group of its own, is killed by its pid. It then removes the group's folder of rank
+output files, which the launcher's close() would have removed: a restarted Jupyter kernel
+holding warm ranks otherwise leaves one ``distlab-*`` folder in the temporary folder per group.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 
 from distlab.runtime import confine
 
 
-def main(lifeline) -> None:
+def main(lifeline, workdir: str | None = None) -> None:
     # A notebook interrupt, a closed terminal or a polite kill is the launcher's to handle;
     # the reaper leaves only when the lifeline says so.
     for sig in (signal.SIGINT, signal.SIGHUP, signal.SIGTERM):
@@ -43,6 +46,8 @@ def main(lifeline) -> None:
                     pass
         except PermissionError:
             pass
+    if workdir is not None:
+        shutil.rmtree(workdir, ignore_errors=True)
 
 
 def _is_sibling(pid: int) -> bool:
