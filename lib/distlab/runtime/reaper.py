@@ -8,8 +8,9 @@ launcher closed the group itself; end-of-file without it means the launcher is g
 (killed, crashed), and the reaper kills every rank's process group (the rank and
 everything it started) before exiting. A rank caught in the instant after its fork, before
 it leads a group of its own, is killed by its pid. It then removes the group's folder of rank
-output files, which the launcher's close() would have removed: a restarted Jupyter kernel
-holding warm ranks otherwise leaves one ``distlab-*`` folder in the temporary folder per group.
+output files, which the launcher's close() would have removed: a kernel killed while it held
+warm ranks (``kill -9``, the grader's time limit) otherwise leaves one ``distlab-*`` folder per
+group in the temporary folder.
 """
 
 from __future__ import annotations
