@@ -47,7 +47,7 @@ import processes
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
 CHAPTER = (REPO / "course" / "cluster.md").read_text(encoding="utf-8")
-LAUNCH_TIMEOUT = 300  # seconds: a healthy launch takes a few (a lost node resumed: 14 s quiet, over 180 s once
+LAUNCH_TIMEOUT = 300  # seconds: a healthy launch takes a few (a lost node resumed: 26 s quiet, over 180 s once
 #                       beside a CPU-heavy sweep); a hang is what this bounds
 
 

@@ -34,7 +34,7 @@ from dataclasses import dataclass
 
 from distlab.collectives import GLOO_PREAMBLE_BYTES, gloo_all_reduce_wire
 from distlab.grading.harness import run_job
-from distlab.runtime.wire import TCPI_BYTES_SENT, unique_bytes_sent
+from distlab.runtime.wire import UNIQUE_BYTES_SENT_NEEDS, unique_bytes_sent
 
 __all__ = ["Unaccounted", "available", "observed_job", "all_reduce_bytes", "allowance", "one_all_reduce"]
 
@@ -91,7 +91,7 @@ def _parse(body: bytes) -> _Socket:
         length, kind = _ATTRIBUTE.unpack_from(body, offset)
         if length < _ATTRIBUTE.size:
             break
-        if kind == _INET_DIAG_INFO and length - _ATTRIBUTE.size >= TCPI_BYTES_SENT + 16:
+        if kind == _INET_DIAG_INFO and length - _ATTRIBUTE.size >= UNIQUE_BYTES_SENT_NEEDS:
             sent = unique_bytes_sent(body, offset + _ATTRIBUTE.size)
         offset += (length + 3) & ~3
     return _Socket(inode, (src, int.from_bytes(sport, "big")), (dst, int.from_bytes(dport, "big")),

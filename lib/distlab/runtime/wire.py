@@ -34,8 +34,10 @@ __all__ = ["WireBytes", "supported", "socket_counters", "unique_bytes_sent", "co
 
 # Offsets in Linux's struct tcp_info (include/uapi/linux/tcp.h).
 _BYTES_RECEIVED = 128  # __u64 tcpi_bytes_received, Linux >= 4.1
-TCPI_BYTES_SENT = 200  # __u64 tcpi_bytes_sent, Linux >= 4.19 (distlab.grading.wiretap reads it too)
+_BYTES_SENT = 200  # __u64 tcpi_bytes_sent, Linux >= 4.19
 _BYTES_RETRANS = 208  # __u64 tcpi_bytes_retrans, beside it: bytes sent again (a loaded machine drops segments)
+# The length of a tcp_info that unique_bytes_sent can read (distlab.grading.wiretap checks its answers against it too)
+UNIQUE_BYTES_SENT_NEEDS = _BYTES_RETRANS + 8
 _TCP_INFO_LEN = 256  # ask for more than any kernel returns; a shorter answer is an older kernel's
 
 
@@ -76,7 +78,7 @@ def unique_bytes_sent(info: bytes, offset: int = 0) -> int:
     """The bytes a socket sent once, from its ``struct tcp_info`` at ``offset`` of ``info``: what the program sent.
     ``tcpi_bytes_sent`` counts a segment sent again as often as it went, and a busy machine's loopback drops some
     (a test once read a 400 kB send as 432,864 bytes); ``tcpi_bytes_retrans`` counts those, and comes off."""
-    sent, again = struct.unpack_from("=QQ", info, offset + TCPI_BYTES_SENT)
+    sent, again = struct.unpack_from("=QQ", info, offset + _BYTES_SENT)
     return sent - again
 
 
@@ -94,7 +96,7 @@ def socket_counters() -> WireBytes:
         if peer_port == store:
             continue
         info = sock.getsockopt(socket.IPPROTO_TCP, socket.TCP_INFO, _TCP_INFO_LEN)
-        if len(info) < _BYTES_RETRANS + 8:
+        if len(info) < UNIQUE_BYTES_SENT_NEEDS:
             raise RuntimeError(f"this kernel's tcp_info has {len(info)} bytes, without tcpi_bytes_sent "
                                "(Linux 4.19 or later)")
         sent += unique_bytes_sent(info)
