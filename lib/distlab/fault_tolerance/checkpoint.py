@@ -231,18 +231,21 @@ def _fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def _prepare(root: str | os.PathLike, step: int) -> tuple[Path, Path]:
-    """Rank 0 clears a stale partial directory of this step (debris of a save a crash interrupted).
+def _prepare(root: str | os.PathLike, step: int, group) -> tuple[Path, Path]:
+    """Rank 0 clears a stale partial directory of this step (debris of a save a crash interrupted); no rank goes on
+    before it has.
 
-    No barrier is needed: DCP writes no shard before rank 0 has joined the save's first
-    collective (the plan), which it does only after this. Other ranks may already have
-    created the (empty) directory while preparing their local plan, hence ``exist_ok``.
+    The barrier is needed: each rank's DCP plan creates the directory (``mkdir(exist_ok=True)``), and a rank whose
+    ``mkdir`` found it made by another, then looked again after rank 0's ``rmtree`` had removed it, raised
+    ``FileExistsError`` (a 4-rank capstone test on a busy machine: ``File exists: '.../step_00000002.partial'``).
     """
     final = checkpoint_path(root, step)
     partial = final.with_name(final.name + PARTIAL_SUFFIX)
     if _rank() == 0:
         shutil.rmtree(partial, ignore_errors=True)
         partial.mkdir(parents=True, exist_ok=True)
+    if group is not None:
+        dist.barrier(group=group)
     return partial, final
 
 
@@ -276,7 +279,7 @@ def save_checkpoint(state: dict, root: str | os.PathLike, step: int, *, meta: di
     :class:`~distlab.fault_tolerance.faults.Fault`) kills a rank mid-write, for the lab.
     """
     group = checkpoint_group()
-    partial, final = _prepare(root, step)
+    partial, final = _prepare(root, step, group)
     with _one_process_is_intended(group):
         dcp.save(state, storage_writer=_writer(partial, step, fault), process_group=group, no_dist=group is None)
     if _rank() == 0:
@@ -335,7 +338,7 @@ def async_save_checkpoint(state: dict, root: str | os.PathLike, step: int, *, me
     if previous is not None:
         previous.wait()
     group = checkpoint_group()
-    partial, final = _prepare(root, step)
+    partial, final = _prepare(root, step, group)
     with _one_process_is_intended(group):
         response = dcp.async_save(state, storage_writer=FileSystemWriter(str(partial), sync_files=True),
                                   process_group=group, no_dist=group is None)
