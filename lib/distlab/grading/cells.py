@@ -18,8 +18,10 @@ functions and classes (from any cell, since they run when a check calls them).
 from __future__ import annotations
 
 import symtable
+from typing import TYPE_CHECKING
 
-import nbformat
+if TYPE_CHECKING:  # only annotations name it: importing nbformat imports jsonschema, which compiles a grammar
+    import nbformat  # (about a second of CPU) in every grading and factory process that never reads a notebook
 
 __all__ = ["SKIP_TAG", "cells_checks_need", "cells_to_skip", "skippable_cells", "python_source"]
 

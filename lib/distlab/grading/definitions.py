@@ -24,10 +24,12 @@ import hashlib
 import symtable
 from dataclasses import dataclass
 from functools import lru_cache
-
-import nbformat
+from typing import TYPE_CHECKING
 
 from distlab.grading.harness import stub_message
+
+if TYPE_CHECKING:  # only annotations name it: importing nbformat imports jsonschema, which compiles a grammar
+    import nbformat  # (about a second of CPU) in every grading and factory process that never reads a notebook
 
 __all__ = ["Definitions", "CheckLine", "check_lines", "quiz_expressions", "answer_variable", "cell_filename"]
 

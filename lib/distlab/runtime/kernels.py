@@ -34,14 +34,16 @@ import time
 import traceback
 from multiprocessing import forkserver, resource_tracker
 from pathlib import Path
-from typing import Sequence
+from typing import TYPE_CHECKING, Sequence
 
-import nbformat
 import numpy
 
 from distlab.runtime import confine, group
 from distlab.runtime.group import forkserver_context
 from distlab.runtime.output import HEADLESS_ENV
+
+if TYPE_CHECKING:  # only annotations name it: importing nbformat imports jsonschema, which compiles a grammar
+    import nbformat  # (about a second of CPU) in every grading and factory process that never reads a notebook
 
 __all__ = ["ForkFactory", "KernelFactory", "serve_forks", "adopt_forkserver", "disown_forkserver",
            "kernel_manager_class", "notebook_client", "SHELL_POLL_SECONDS"]
