@@ -154,7 +154,8 @@ class KernelFactory(ForkFactory):
     (:func:`kernel_manager_class` asks it for one through :data:`_KERNEL_SHIM`)."""
 
     def __init__(self, preload: Sequence[str] = (), env: dict | None = None):
-        super().__init__("distlab.runtime.kernels:_become_kernel", ("ipykernel.kernelapp", *preload), env)
+        super().__init__("distlab.runtime.kernels:_become_kernel", ("ipykernel.kernelapp", "matplotlib.pyplot",
+                                                                    *preload), env)
 
     def kernel_argv(self) -> list[str]:
         return [sys.executable, "-c", _KERNEL_SHIM, self.address, "-f", "{connection_file}"]
@@ -169,24 +170,17 @@ def serve_forks(address: str, child: str, preload: Sequence[str] = (), rank_prel
     the processes its children left behind: as a subreaper it adopts them, and any child of it that is neither
     one it forked nor the forkserver is such an orphan.
     """
+    # A kernel factory preloads matplotlib.pyplot, which chooses its backend when it is imported: set it first.
     os.environ.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
     confine.seal_memory()
     confine.keep_orphans()
-    import matplotlib.pyplot  # noqa: F401, PLC0415  after MPLBACKEND is set: the backend is chosen on import
-
     for module in preload:
         importlib.import_module(module)
     module, function = child.split(":")
     become = getattr(importlib.import_module(module), function)
     group.preload(*rank_preload)
     context = forkserver_context()
-    if context.get_start_method() == "forkserver":
-        # The server answers only once it has imported torch: fork one process through it now, so that
-        # the children's first launch does not wait for those imports.
-        probe = context.Process(target=os.getpid, name="distlab-factory-probe")
-        probe.start()
-        probe.join()
-    server_pid = getattr(getattr(forkserver, "_forkserver", None), "_forkserver_pid", None)
+    server_pid = _start_forkserver() if context.get_start_method() == "forkserver" else None
     listener = socket.socket(socket.AF_UNIX)
     listener.bind(address)
     listener.listen(64)
@@ -228,7 +222,7 @@ def serve_forks(address: str, child: str, preload: Sequence[str] = (), rank_prel
             if time.monotonic() - swept > 1.0:
                 swept = time.monotonic()
                 if context.get_start_method() == "forkserver":
-                    server_pid = _revive_forkserver(context, server_pid)
+                    server_pid = _revive_forkserver(server_pid)
                 tracker = getattr(resource_tracker._resource_tracker, "_pid", None)  # multiprocessing's helper
                 _end_strays(set(children) | {server_pid, tracker})
     finally:
@@ -344,7 +338,7 @@ def _running(pid: int) -> bool:
     return status is None or status[0] != "Z"  # no /proc: signal 0 is all there is
 
 
-def _revive_forkserver(context, pid: int | None) -> int | None:
+def _revive_forkserver(pid: int | None) -> int | None:
     """The factory's forkserver, started again if it died (CPython's ends when a client disconnects before it has
     sent its descriptors, as one a student's code killed would), so the next child finds one; its pid."""
     if pid is None or _running(pid):
@@ -354,10 +348,17 @@ def _revive_forkserver(context, pid: int | None) -> int | None:
     except ChildProcessError:
         pass
     disown_forkserver()
-    probe = context.Process(target=os.getpid, name="distlab-factory-probe")
-    probe.start()
-    probe.join()
-    return getattr(forkserver._forkserver, "_forkserver_pid", None)
+    return _start_forkserver()
+
+
+def _start_forkserver() -> int:
+    """Start the factory's forkserver, which every child it forks will share, without waiting for it; its pid.
+
+    The server imports torch and its preload list (seconds) before it answers: meanwhile the factory says it is
+    ready and its children start (a kernel's first cells, a grader's reading), and a child's first launch waits
+    only for what is left of those imports. Waiting here instead would add them to every grading run's start."""
+    forkserver.ensure_running()
+    return forkserver._forkserver._forkserver_pid
 
 
 def kernel_manager_class(workdir: str, factory: KernelFactory | None = None):
