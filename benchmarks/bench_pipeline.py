@@ -2,7 +2,8 @@
 and the from-scratch schedules against ``torch.distributed.pipelining``'s.
 
 1. For p ∈ {2, 4} stages and m ∈ {1, 2, 4, 8, 16} micro-batches, GPipe, 1F1B, interleaved 1F1B (v = 2),
-   ZB-V and DualPipeV (v = 2, in a V) run the lab's GPT (real compute, one thread per rank) for a few
+   ZB-V and DualPipeV (v = 2, in a V) run the lab's GPT (real compute, one thread per rank, each rank's
+   threads pinned to a core of its own where there are enough: :func:`pin_to_own_core`) for a few
    steps; each step's bubble is read off the recorded timeline
    (:func:`distlab.pipeline_parallel.measured_bubble`) and the median over steps is compared with
    theory: the schedule simulated at equal stages with ``t_B = 2 t_F`` and ``t_I = t_W = t_F``, which
@@ -86,7 +87,10 @@ def parse(argv=None):
     p.add_argument("--schedules", nargs="+", default=list(SCHEDULES), choices=SCHEDULES)
     p.add_argument("--n-layer", type=int, default=8)
     p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--rows", type=int, default=2, help="sequences (of 64 tokens) per micro-batch")
+    p.add_argument("--rows", type=int, default=8, help="sequences (of 64 tokens) per micro-batch: enough work per "
+                   "compute that the time between two computes is a small share of it, as on a real stage")
+    p.add_argument("--no-pin", dest="pin", action="store_false",
+                   help="leave the ranks' threads unpinned (by default each rank gets a core of its own)")
     p.add_argument("--steps", type=int, default=15, help="measured steps per point (after one warm-up step)")
     p.add_argument("--ratio-steps", type=int, default=12, help="steps of each implementation for the ratios")
     p.add_argument("--ratio-m", type=int, default=8)
@@ -100,8 +104,12 @@ def parse(argv=None):
     return args
 
 
+def usable_cores() -> list[int]:
+    return sorted(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else list(range(os.cpu_count() or 1))
+
+
 def cores() -> int:
-    return len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    return len(usable_cores())
 
 
 def load() -> float:
@@ -152,35 +160,68 @@ def ping_pong(nbytes: int, repeats: int) -> float:
     return statistics.median(trips[2:]) / 2 if rank == 0 else float("nan")
 
 
-def _run_delay() -> float | None:
-    """Seconds this thread has spent ready to run but waiting for a CPU (Linux schedstat), or None."""
+def _schedstat() -> int | None:
+    """This thread's ``/proc/thread-self/schedstat``, opened once (a descriptor of the thread that opened it), so
+    that each reading between two computes is one ``pread``, not an open, read and close; None off Linux."""
     try:
-        with open("/proc/thread-self/schedstat") as stat:
-            return int(stat.read().split()[1]) / 1e9
-    except (OSError, IndexError, ValueError):
+        return os.open("/proc/thread-self/schedstat", os.O_RDONLY)
+    except OSError:
         return None
 
 
-def pipeline_worker_sampled(**kwargs) -> dict:
+def _run_delay(fd: int | None) -> float | None:
+    """Seconds the thread of ``fd`` (:func:`_schedstat`) has spent ready to run but waiting for a CPU, or None."""
+    try:
+        return int(os.pread(fd, 128, 0).split()[1]) / 1e9
+    except (OSError, IndexError, ValueError, TypeError):
+        return None
+
+
+def pin_to_own_core(usable: list[int]) -> int | None:
+    """Pin every thread of this rank (its compute thread and gloo's I/O threads) to one core of its own, the
+    rank-th of ``usable`` (the cores the benchmark may use, read in its own process: a rank pinned by an earlier
+    point reads only its one core); the core, or None where there are fewer cores than ranks.
+
+    Unpinned, Linux moves the two ranks' threads between the two cores of a 2-core machine, and a rank ready to run
+    after a message waits while its core runs the other rank's thread: the "cpu wait" column, the largest share of
+    the V schedules' overhead in the unpinned runs chapter 06 quotes. ``--no-pin`` measures that way again."""
+    import torch.distributed as dist  # noqa: PLC0415  runs on a rank
+
+    if not hasattr(os, "sched_setaffinity") or len(usable) < dist.get_world_size():
+        return None
+    core = usable[dist.get_rank()]
+    for thread in os.listdir("/proc/self/task"):
+        try:
+            os.sched_setaffinity(int(thread), {core})
+        except (OSError, ValueError):
+            pass
+    return core
+
+
+def pipeline_worker_sampled(pin_to: list[int] | None = None, **kwargs) -> dict:
     """:func:`pipeline_worker`, with the thread's run-queue wait read at the start and the end of every compute
     span (in the order of the rank's compute spans): what a busy core made the rank wait between computes."""
     import distlab.pipeline_parallel.executor as executor  # noqa: PLC0415  patched on the rank for this run only
 
-    samples, real_span = [], executor.span
+    samples, real_span, stat = [], executor.span, _schedstat()
 
     @contextlib.contextmanager
     def sampled(label: str, kind: str = "compute"):
-        samples.append(_run_delay())
+        samples.append(_run_delay(stat))
         with real_span(label, kind):
             yield
-        samples.append(_run_delay())
+        samples.append(_run_delay(stat))
 
     executor.span = sampled
     try:
+        core = pin_to_own_core(pin_to) if pin_to else None
         out = pipeline_worker(**kwargs)
     finally:
         executor.span = real_span
+        if stat is not None:
+            os.close(stat)
     out["run_delay"] = samples if None not in samples else None
+    out["core"] = core
     return out
 
 
@@ -202,9 +243,11 @@ def waited_spans(run, step: int) -> list[Span]:
 
 
 def measure_point(ranks, schedule: str, cfg: GPTConfig, p: int, m: int, v: int, rows: int, steps: int,
-                  wire: float) -> dict:
+                  wire: float, pin: bool = True) -> dict:
     run = ranks.run(pipeline_worker_sampled, kwargs=dict(schedule=schedule, cfg=cfg, m=m, v=v, batch_size=rows * m,
-                                                         steps=steps, warmup=1, return_state=False), show_output=False)
+                                                         steps=steps, warmup=1, return_state=False,
+                                                         pin_to=usable_cores() if pin else None),
+                    show_output=False)
     bubble = steps_bubble(run.spans, range(1, steps + 1), p)
     actions = make_schedule(schedule, p, m, v)
 
@@ -234,7 +277,7 @@ def measure_point(ranks, schedule: str, cfg: GPTConfig, p: int, m: int, v: int, 
             "peak_in_flight": [r["peak_in_flight"] for r in run],
             "sent_bytes": [r["sent_bytes"] for r in run],
             "step_s": statistics.median(max(r["step_times"][i] for r in run) for i in range(steps)),
-            "load": load(), "faithful": p <= cores()}
+            "load": load(), "faithful": p <= cores(), "cores_pinned": [r["core"] for r in run]}
 
 
 def measure_grid(args, cfg: GPTConfig, label: str, started: float) -> list[dict]:
@@ -247,7 +290,7 @@ def measure_grid(args, cfg: GPTConfig, label: str, started: float) -> list[dict]
             print(f"{label} p={p}: one activation ({args.rows * cfg.seq_len * cfg.d_model * 4 / 2**10:.0f} KiB) takes "
                   f"{wire * 1e6:.0f} µs between two idle ranks", flush=True)
             for schedule, m, v in points(args, p):
-                point = measure_point(ranks, schedule, cfg, p, m, v, args.rows, args.steps, wire)
+                point = measure_point(ranks, schedule, cfg, p, m, v, args.rows, args.steps, wire, args.pin)
                 point["wire_s"] = wire
                 grid.append(point)
                 print(f"{label} p={p} {schedule:<11} m={m:>2}{f' v={v}' if v > 1 else '    '}  bubble "
@@ -309,6 +352,14 @@ def measure_ratios(args, cfg: GPTConfig, n_cores: int) -> dict:
     return ratios
 
 
+def pinning(grid: list[dict]) -> str:
+    """How the measured ranks sat on the cores, from what each rank reported."""
+    pinned = [g for g in grid if None not in g["cores_pinned"]]
+    if len(pinned) == len(grid):
+        return "each rank's threads pinned to a core of its own"
+    return "unpinned" if not pinned else f"pinned where the cores sufficed ({len(pinned)} of {len(grid)} points)"
+
+
 TORCH_NAMES = {"1f1b": "Schedule1F1B", "zb-v": "ScheduleZBVZeroBubble", "dualpipev": "ScheduleDualPipeV"}
 
 
@@ -328,7 +379,8 @@ def main(argv=None) -> int:
     command = "python benchmarks/bench_pipeline.py " + " ".join(sys.argv[1:] if argv is None else argv)
     lines = [
         f"GPT n_layer={cfg.n_layer} d_model={cfg.d_model} seq_len={cfg.seq_len}, {args.rows} sequences per "
-        f"micro-batch; gloo ranks, one thread each, {n_cores} CPU cores, load average {run_load:.1f} (median over "
+        f"micro-batch; gloo ranks, one thread each, {pinning(grid)}, {n_cores} CPU cores, load average "
+        f"{run_load:.1f} (median over "
         f"the points); torch {torch.__version__}; `{command.strip()}`",
         f"bubble = idle share of the busiest rank (the slowest stage) between the pipeline's first and last "
         f"compute; theory = the schedule simulated at equal stages with t_B = 2 t_F, t_I = t_W = t_F; replayed = the "
@@ -364,12 +416,14 @@ def main(argv=None) -> int:
     ratio_met = all(r["met"] for r in ratios.values())
     summary = "\n".join(lines)
     print("\n" + summary)
-    data = {"ran_on": f"{n_cores} CPU cores (gloo ranks, one thread each)", "command": command.strip(),
+    data = {"ran_on": f"{n_cores} CPU cores (gloo ranks, one thread each, {pinning(grid)})",
+            "command": command.strip(),
             "load_average": run_load, "grid": grid, "runs": runs, "verdicts": verdicts, "tolerance": TOLERANCE,
             "median_target": MEDIAN_TARGET, "close_share": CLOSE_SHARE, "overhead_target": OVERHEAD_TARGET,
             "bubble_target_met": bubble_met, "ratios": ratios, "ratio_target": RATIO_TARGET,
             "config": {"n_layer": cfg.n_layer, "d_model": cfg.d_model, "seq_len": cfg.seq_len, "rows": args.rows,
-                       "steps": args.steps, "runs": args.runs, "stages": args.stages, "quick": args.quick}}
+                       "steps": args.steps, "runs": args.runs, "stages": args.stages, "quick": args.quick,
+                       "pin": args.pin}}
     if not args.quick or args.results_dir:
         results.save("pipeline", data, summary, directory=args.results_dir, ranks=max(g["p"] for g in grid),
                      threads_per_rank=1)
