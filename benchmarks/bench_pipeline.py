@@ -171,9 +171,11 @@ def _schedstat() -> int | None:
 
 def _run_delay(fd: int | None) -> float | None:
     """Seconds the thread of ``fd`` (:func:`_schedstat`) has spent ready to run but waiting for a CPU, or None."""
+    if fd is None:
+        return None
     try:
         return int(os.pread(fd, 128, 0).split()[1]) / 1e9
-    except (OSError, IndexError, ValueError, TypeError):
+    except (OSError, IndexError, ValueError):
         return None
 
 

@@ -20,8 +20,8 @@ from __future__ import annotations
 import symtable
 from typing import TYPE_CHECKING
 
-if TYPE_CHECKING:  # only annotations name it: importing nbformat imports jsonschema, which compiles a grammar
-    import nbformat  # (about a second of CPU) in every grading and factory process that never reads a notebook
+if TYPE_CHECKING:  # annotations only, for the reason distlab.runtime.kernels gives
+    import nbformat
 
 __all__ = ["SKIP_TAG", "cells_checks_need", "cells_to_skip", "skippable_cells", "python_source"]
 

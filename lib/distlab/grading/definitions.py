@@ -28,8 +28,8 @@ from typing import TYPE_CHECKING
 
 from distlab.grading.harness import stub_message
 
-if TYPE_CHECKING:  # only annotations name it: importing nbformat imports jsonschema, which compiles a grammar
-    import nbformat  # (about a second of CPU) in every grading and factory process that never reads a notebook
+if TYPE_CHECKING:  # annotations only, for the reason distlab.runtime.kernels gives
+    import nbformat
 
 __all__ = ["Definitions", "CheckLine", "check_lines", "quiz_expressions", "answer_variable", "cell_filename"]
 
